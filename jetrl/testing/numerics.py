@@ -1,0 +1,31 @@
+"""Comparison metrics (SQNR, max error) and hardware probes used by tests, benchmarks and the lint."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def sqnr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio of `test` against `ref` in dB, computed in float64;
+    +inf for an exact match."""
+    if ref.shape != test.shape:
+        raise ValueError(f"sqnr_db: shapes differ, {tuple(ref.shape)} vs {tuple(test.shape)}")
+    ref64, test64 = ref.detach().to(torch.float64), test.detach().to(torch.float64)
+    noise = float(((ref64 - test64) ** 2).sum())
+    signal = float((ref64**2).sum())
+    if noise == 0.0:
+        return math.inf
+    if signal == 0.0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().to(torch.float64) - b.detach().to(torch.float64)).abs().max()) if a.numel() else 0.0
+
+
+def has_sm90() -> bool:
+    """True when a CUDA device of compute capability 9.x (Hopper) is visible."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
