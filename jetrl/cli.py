@@ -1,0 +1,31 @@
+"""`jetrl` command line: a thin dispatcher to the subcommands' own `main(argv)` functions."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module with main(argv) -> int, one-line help)
+SUBCOMMANDS = {
+    "lint": ("jetrl.lint.cli", "prove the rollout precision graph is a subgraph of the training forward graph"),
+    "train": ("jetrl.train.cli", "run the local GRPO/DAPO trainer from a config file"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: jetrl {" + ",".join(SUBCOMMANDS) + "} ...\n")
+        for name, (_, help_) in SUBCOMMANDS.items():
+            print(f"  {name:<8}{help_}")
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd not in SUBCOMMANDS:
+        print(f"jetrl: unknown command {cmd!r}; choose one of {sorted(SUBCOMMANDS)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[cmd][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
