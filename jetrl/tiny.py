@@ -1,0 +1,189 @@
+"""A tiny Qwen3-architecture model and a character tokenizer, built from nothing (no downloads).
+
+Used by the CPU tests, the demo trainer and the lint to exercise the whole FP8 path end to end:
+every projection's N and K is a multiple of 128 (hidden 256, intermediate 512, 2 query heads and
+1 KV head of head_dim 128), so each Linear takes the 128x128 weight blocks without padding and
+vLLM's fused `qkv_proj` ([q; k; v] = 256 + 128 + 128 rows) and `gate_up_proj` (512 + 512 rows)
+split on block boundaries.
+
+| Linear | N | K |
+|---|---|---|
+| q_proj / o_proj | 256 | 256 |
+| k_proj / v_proj | 128 | 256 |
+| gate_proj / up_proj | 512 | 256 |
+| down_proj | 256 | 512 |
+
+The tokenizer maps one character to one token (digits, ``+ - * =``, space, ASCII letters, a few
+punctuation marks) plus ``<pad>``, ``<s>``, ``</s>``. `CharTokenizer.save` writes it as an HF
+fast tokenizer (``tokenizer.json`` built with the `tokenizers` library, ``tokenizer_config.json``)
+that `transformers.AutoTokenizer` and vLLM load offline; its ids equal `CharTokenizer.encode`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import string
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "CharTokenizer",
+    "TINY_DEFAULTS",
+    "tiny_qwen3_config",
+    "build_tiny_model",
+    "save_checkpoint",
+    "save_tiny_checkpoint",
+]
+
+PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+_CHARS = string.digits + "+-*=" + " " + string.ascii_lowercase + string.ascii_uppercase + ".,:;?!()"
+
+TINY_DEFAULTS: dict = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 128,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.1,  # logits std ~1.6 at init: peaked enough that quantization shows in logp
+}
+"""Qwen3Config fields of the tiny model (vocab and special-token ids come from `CharTokenizer`)."""
+
+
+class CharTokenizer:
+    """One token per character. Ids: 0 ``<pad>``, 1 ``<s>``, 2 ``</s>``, then `_CHARS` in order."""
+
+    def __init__(self) -> None:
+        self.vocab: list[str] = [PAD, BOS, EOS, *_CHARS]
+        self._ids = {tok: i for i, tok in enumerate(self.vocab)}
+        self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
+        self.pad_token, self.bos_token, self.eos_token = PAD, BOS, EOS
+
+    def __len__(self) -> int:
+        return len(self.vocab)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def encode(self, text: str, *, add_bos: bool = True, add_eos: bool = False) -> list[int]:
+        """Token ids of `text`; raises ValueError naming any character outside the vocabulary."""
+        bad = sorted({c for c in text if c not in self._ids or c in (PAD, BOS, EOS)})
+        if bad:
+            raise ValueError(f"CharTokenizer.encode: characters {bad!r} are not in the vocabulary {_CHARS!r}")
+        ids = [self._ids[c] for c in text]
+        return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
+
+    def decode(self, ids, *, skip_special: bool = True) -> str:
+        """Text of `ids`; special tokens dropped unless `skip_special=False`."""
+        out = []
+        for i in ids:
+            i = int(i)
+            if not 0 <= i < len(self.vocab):
+                raise ValueError(f"CharTokenizer.decode: id {i} outside [0, {len(self.vocab)})")
+            if skip_special and i < 3:
+                continue
+            out.append(self.vocab[i])
+        return "".join(out)
+
+    def to_hf_tokenizer_json(self) -> str:
+        """The ``tokenizer.json`` text of an equivalent `tokenizers` fast tokenizer."""
+        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+        tok = Tokenizer(models.WordLevel(vocab=dict(self._ids), unk_token=None))
+        # every character is its own pre-token (space included), so WordLevel sees single characters
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+        tok.decoder = decoders.Fuse()
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (PAD, BOS, EOS)])
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, self.bos_id)]
+        )
+        return tok.to_str(pretty=True)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json`` into `path`."""
+        p = Path(path)
+        p.mkdir(parents=True, exist_ok=True)
+        (p / "tokenizer.json").write_text(self.to_hf_tokenizer_json())
+        cfg = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": BOS,
+            "eos_token": EOS,
+            "pad_token": PAD,
+            "unk_token": None,
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": TINY_DEFAULTS["max_position_embeddings"],
+        }
+        (p / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+        (p / "special_tokens_map.json").write_text(
+            json.dumps({"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}, indent=2)
+        )
+
+
+def tiny_qwen3_config(**overrides):
+    """`transformers.Qwen3Config` of the tiny model; `overrides` replace `TINY_DEFAULTS` fields.
+
+    Raises ValueError if an override breaks the multiple-of-128 rule for some projection."""
+    from transformers import Qwen3Config
+
+    tok = CharTokenizer()
+    kw = {
+        **TINY_DEFAULTS,
+        "vocab_size": tok.vocab_size,
+        "pad_token_id": tok.pad_id,
+        "bos_token_id": tok.bos_id,
+        "eos_token_id": tok.eos_id,
+        **overrides,
+    }
+    h, i, d = kw["hidden_size"], kw["intermediate_size"], kw["head_dim"]
+    dims = {
+        "hidden_size": h,
+        "intermediate_size": i,
+        "q_proj N (num_attention_heads*head_dim)": kw["num_attention_heads"] * d,
+        "k_proj N (num_key_value_heads*head_dim)": kw["num_key_value_heads"] * d,
+    }
+    bad = {k: v for k, v in dims.items() if v % 128}
+    if bad:
+        raise ValueError(f"tiny_qwen3_config: every projection N and K must be a multiple of 128; got {bad}")
+    cfg = Qwen3Config(**kw)
+    cfg.dtype = torch.bfloat16
+    return cfg
+
+
+def build_tiny_model(seed: int, **overrides):
+    """A randomly initialised `Qwen3ForCausalLM` (bf16, eval mode) from `tiny_qwen3_config(**overrides)`.
+
+    Deterministic in `seed` (the global torch RNG is forked, not disturbed)."""
+    from transformers import Qwen3ForCausalLM
+
+    cfg = tiny_qwen3_config(**overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(cfg)
+    return model.to(torch.bfloat16).eval()
+
+
+def save_checkpoint(model, tokenizer: CharTokenizer, path: str | os.PathLike) -> Path:
+    """Write an HF checkpoint dir: config.json, model.safetensors (bf16), generation_config.json and
+    the tokenizer files. Returns the path."""
+    p = Path(path)
+    p.mkdir(parents=True, exist_ok=True)
+    bad = [n for n, t in model.state_dict().items() if t.is_floating_point() and t.dtype != torch.bfloat16]
+    if bad:
+        raise ValueError(f"save_checkpoint: expected bf16 weights, found other dtypes in {bad[:5]}")
+    model.config.dtype = torch.bfloat16
+    model.save_pretrained(p, safe_serialization=True)
+    tokenizer.save(p)
+    return p
+
+
+def save_tiny_checkpoint(path: str | os.PathLike, seed: int = 0, **overrides) -> Path:
+    """`build_tiny_model(seed, **overrides)` + `CharTokenizer()` written with `save_checkpoint`."""
+    return save_checkpoint(build_tiny_model(seed, **overrides), CharTokenizer(), path)

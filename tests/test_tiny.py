@@ -1,0 +1,64 @@
+"""The tiny Qwen3 model and the character tokenizer: dims, determinism, HF round trips."""
+
+import json
+
+import pytest
+import torch
+
+from jetrl.tiny import CharTokenizer, build_tiny_model, save_checkpoint, tiny_qwen3_config
+
+TEXT = "12+ 3*4=Hello, World! (x-y)"
+
+
+def test_every_projection_is_a_multiple_of_128():
+    model = build_tiny_model(0)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n}
+    assert len(linears) == 7 * model.config.num_hidden_layers
+    for name, lin in linears.items():
+        assert lin.in_features % 128 == 0 and lin.out_features % 128 == 0, (name, lin.weight.shape)
+    assert model.config.tie_word_embeddings is False
+    assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_config_rejects_dims_off_the_128_grid():
+    with pytest.raises(ValueError, match="intermediate_size"):
+        tiny_qwen3_config(intermediate_size=500)
+    with pytest.raises(ValueError, match="q_proj"):
+        tiny_qwen3_config(head_dim=64, num_attention_heads=3)
+
+
+def test_build_is_deterministic_in_seed():
+    a, b, c = build_tiny_model(3), build_tiny_model(3), build_tiny_model(4)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not torch.equal(sa["model.layers.0.mlp.up_proj.weight"], sc["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_char_tokenizer_round_trip_and_errors():
+    tok = CharTokenizer()
+    ids = tok.encode(TEXT)
+    assert ids[0] == tok.bos_id and len(ids) == len(TEXT) + 1
+    assert tok.decode(ids) == TEXT
+    assert tok.encode("1", add_bos=False, add_eos=True) == [tok._ids["1"], tok.eos_id]
+    with pytest.raises(ValueError, match="'#'"):
+        tok.encode("a#b")
+    with pytest.raises(ValueError, match="id 999"):
+        tok.decode([999])
+
+
+def test_checkpoint_loads_with_transformers_offline(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tok = build_tiny_model(1), CharTokenizer()
+    save_checkpoint(model, tok, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3" and cfg["vocab_size"] == len(tok)
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    assert hf_tok(TEXT)["input_ids"] == tok.encode(TEXT)
+    assert hf_tok.decode(tok.encode(TEXT), skip_special_tokens=True) == TEXT
+    assert (hf_tok.pad_token_id, hf_tok.bos_token_id, hf_tok.eos_token_id) == (tok.pad_id, tok.bos_id, tok.eos_id)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True)
+    ref = model.state_dict()
+    for k, v in loaded.state_dict().items():
+        assert v.dtype == torch.bfloat16 and torch.equal(v, ref[k]), k
