@@ -1,0 +1,117 @@
+"""The `deepgemm` backend: DeepGEMM's ``fp8_gemm_nt`` (sm_90, JIT-compiled per shape).
+
+Calls (``../shared/NUMERICS.md`` section 4), all NT, both operands K-major:
+
+- fprop / dgrad: ``fp8_gemm_nt((A, sA), (B, sB), D bf16)``, sA 1x128 ``[M, K/128]``, sB 128x128.
+- wgrad: ``fp8_gemm_nt((dY^T, s), (X^T, s), d=dW, c=dW, recipe=(1, 1, 128))``: both operands 1x128
+  along the token axis, fp32 accumulation in place (`gemm_accumulate_` passes ``d = c = acc``).
+
+Activation scales are passed MN-major with strides ``(1, align(rows, 4))`` (`scale_layout =
+"deepgemm"`); DeepGEMM would otherwise transpose them itself at extra cost. The token axis of wgrad
+(its K) is zero-padded to a multiple of 128 when needed. The module is imported from ``deep_gemm``,
+else from ``vllm.third_party.deep_gemm`` (the copy bundled in vLLM wheels).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+
+import torch
+
+from jetrl.gemm.base import BackendUnavailableError, GemmBackend, pad_k, to_scale_layout
+from jetrl.gemm.torch_blockwise import _empty_result
+from jetrl.recipe import BLOCK
+
+_MODULES = ("deep_gemm", "vllm.third_party.deep_gemm")
+
+
+def import_deep_gemm():
+    """The DeepGEMM module, or `BackendUnavailableError` listing why each candidate failed."""
+    errors = []
+    for mod in _MODULES:
+        try:
+            dg = importlib.import_module(mod)
+        except Exception as e:  # ImportError, or OSError from a .so built for another torch/CUDA
+            errors.append(f"import {mod}: {type(e).__name__}: {e}")
+            continue
+        if not hasattr(dg, "fp8_gemm_nt"):
+            errors.append(f"{mod} has no fp8_gemm_nt (DeepGEMM built without CUDA >= 12.1 kernels?)")
+            continue
+        return dg
+    raise BackendUnavailableError("DeepGEMM is not importable: " + "; ".join(errors))
+
+
+class DeepGemmBackend(GemmBackend):
+    name = "deepgemm"
+    scale_layout = "deepgemm"
+    device_type = "cuda"
+
+    def __init__(self) -> None:
+        reason = self.unavailable_reason()
+        if reason:
+            raise BackendUnavailableError(f"GEMM backend 'deepgemm' unavailable: {reason}")
+        # DeepGEMM JIT-compiles with nvcc found through CUDA_HOME; point it at the nvcc on PATH when
+        # CUDA_HOME is unset (done here, at first use, not at import).
+        nvcc = shutil.which("nvcc")
+        if "CUDA_HOME" not in os.environ and nvcc:
+            os.environ["CUDA_HOME"] = os.path.dirname(os.path.dirname(nvcc))
+        self.dg = import_deep_gemm()
+        self.version = getattr(self.dg, "__version__", "unknown")
+
+    @staticmethod
+    def unavailable_reason() -> str | None:
+        if not torch.cuda.is_available():
+            return "no CUDA device (DeepGEMM needs an sm_90 GPU)"
+        major, minor = torch.cuda.get_device_capability()
+        if major != 9:
+            return f"DeepGEMM FP8 with fp32 scales targets sm_90; this GPU is sm_{major}{minor}"
+        try:
+            import_deep_gemm()
+        except BackendUnavailableError as e:
+            return str(e)
+        if not (os.environ.get("CUDA_HOME") or shutil.which("nvcc")):
+            return "DeepGEMM JIT-compiles its kernels with nvcc: set CUDA_HOME or put nvcc on PATH"
+        return None
+
+    def check_linear_shape(self, out_features: int, in_features: int) -> str | None:
+        if in_features % BLOCK or out_features % BLOCK:
+            return (
+                f"DeepGEMM needs in_features and out_features multiples of {BLOCK} (K of fprop and of dgrad), "
+                f"got out_features={out_features} in_features={in_features}"
+            )
+        return None
+
+    def _gemm(self, a, a_s, b, b_s, *, role, out_dtype, c):
+        m, n = a.shape[0], b.shape[0]
+        if m == 0 or n == 0 or a.shape[1] == 0:
+            return _empty_result(m, n, out_dtype, c, a.device)
+        a, b = pad_k(a), pad_k(b)
+        sa = to_scale_layout(a_s, "deepgemm")
+        if role == "wgrad":
+            d = torch.empty((m, n), dtype=torch.float32, device=a.device)
+            # Shapes: [N, T] @ [K, T]^T -> [N, K], fp32, D = C + A @ B.T
+            self.dg.fp8_gemm_nt((a, sa), (b, to_scale_layout(b_s, "deepgemm")), d, c=c, recipe=(1, 1, 128))
+            return d if out_dtype == torch.float32 else d.to(out_dtype)
+        d = torch.empty((m, n), dtype=torch.float32 if c is not None else out_dtype, device=a.device)
+        # Shapes: [M, K] @ [N, K]^T -> [M, N]
+        self.dg.fp8_gemm_nt((a, sa), (b, b_s.contiguous()), d, c=c)
+        return d if d.dtype == out_dtype else d.to(out_dtype)
+
+    def gemm_accumulate_(self, a, a_s, b, b_s, acc):
+        self._validate(a, a_s, b, b_s, "wgrad", acc)
+        if a.shape[0] == 0 or b.shape[0] == 0 or a.shape[1] == 0:
+            return acc
+        if not acc.is_contiguous():
+            raise ValueError(f"deepgemm[wgrad]: the fp32 accumulator must be contiguous, got strides {acc.stride()}")
+        a, b = pad_k(a), pad_k(b)
+        # Shapes: [N, T] @ [K, T]^T -> [N, K]; acc = acc + A @ B.T in place (d = c = acc)
+        self.dg.fp8_gemm_nt(
+            (a, to_scale_layout(a_s, "deepgemm")),
+            (b, to_scale_layout(b_s, "deepgemm")),
+            acc,
+            c=acc,
+            recipe=(1, 1, 128),
+        )
+        return acc

@@ -1,0 +1,101 @@
+"""The quantizers the FP8 Linear and `linear_fp8` call, routed to `jetrl.kernels` (interface A).
+
+`jetrl.kernels` dispatches by device: CUDA -> Triton kernels, CPU -> its ``torch_<op>`` references,
+which are built on `jetrl.quant` and bit-identical to it by definition. This module only adds the
+routing: the functions below call the `jetrl.kernels` op of the same name. If `jetrl.kernels` does not
+provide an op (an older tree), CPU tensors use the `jetrl.quant` composition that defines the op (the
+same bytes), and CUDA tensors raise -- the eager-torch quantizers are ~20x slower than the kernels and
+are used on a GPU only when asked for with ``set_quantize_impl("reference")`` (benchmarks say so).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from jetrl import quant
+from jetrl.gemm.base import to_scale_layout
+
+__all__ = [
+    "quantize_1x128",
+    "quantize_128x128",
+    "transpose_quantize",
+    "transpose_requantize",
+    "set_quantize_impl",
+    "quantize_impl",
+    "QUANTIZE_IMPLS",
+]
+
+QUANTIZE_IMPLS = ("kernels", "reference")
+_IMPL = {"name": "kernels"}
+
+
+def set_quantize_impl(name: str) -> None:
+    """ "kernels" (default): `jetrl.kernels` ops. "reference": `jetrl.quant` eager torch everywhere
+    (bit-identical, slow on GPU; for benchmarks of a tree whose kernels are not ready)."""
+    if name not in QUANTIZE_IMPLS:
+        raise ValueError(f"quantize impl {name!r}: choose one of {QUANTIZE_IMPLS}")
+    _IMPL["name"] = name
+
+
+def quantize_impl(device: torch.device | str = "cpu") -> str:
+    """Which implementation quantizes tensors on `device`: 'jetrl.kernels' or 'jetrl.quant'."""
+    if _IMPL["name"] == "reference":
+        return "jetrl.quant"
+    return "jetrl.kernels" if _kernel("quantize_1x128") is not None else "jetrl.quant"
+
+
+def _kernel(op: str):
+    try:
+        import jetrl.kernels as k
+    except ImportError:
+        return None
+    return getattr(k, op, None)
+
+
+def _route(op: str, x: torch.Tensor):
+    """The jetrl.kernels op, or None when the jetrl.quant composition must be used."""
+    if _IMPL["name"] == "reference":
+        return None
+    fn = _kernel(op)
+    if fn is None and x.device.type != "cpu":
+        raise RuntimeError(
+            f"jetrl.kernels.{op} is not available for {x.device} tensors; refusing to quantize with eager "
+            "torch silently. Call jetrl.gemm.quantize.set_quantize_impl('reference') to use jetrl.quant."
+        )
+    return fn
+
+
+def quantize_1x128(x: torch.Tensor, *, scale_layout: str = "row", name: str = "x"):
+    """x [M, K] -> (q e4m3 [M, K], s fp32 [M, ceil(K/128)] in `scale_layout`)."""
+    fn = _route("quantize_1x128", x)
+    if fn is not None:
+        return fn(x, scale_layout=scale_layout, name=name)
+    q, s = quant.quantize_1x128(x, name=name)
+    return q, to_scale_layout(s, scale_layout)
+
+
+def quantize_128x128(w: torch.Tensor, *, with_transpose: bool = False, name: str = "w"):
+    """w [N, K] -> (q, s) or (q, s, q_t [K, N], s_t [ceil(K/128), ceil(N/128)]), all contiguous."""
+    fn = _route("quantize_128x128", w)
+    if fn is not None:
+        return fn(w, with_transpose=with_transpose, name=name)
+    q, s = quant.quantize_128x128(w, name=name)
+    if not with_transpose:
+        return q, s
+    return q, s, q.t().contiguous(), s.t().contiguous()
+
+
+def transpose_quantize(x: torch.Tensor, *, name: str = "x"):
+    """x [M, K] -> quantize_128x1(x): (q_t [K, M], s_t [K, ceil(M/128)])."""
+    fn = _route("transpose_quantize", x)
+    if fn is not None:
+        return fn(x, name=name)
+    return quant.quantize_128x1(x, name=name)
+
+
+def transpose_requantize(q: torch.Tensor, s: torch.Tensor, *, name: str = "x"):
+    """1x128-quantized [M, K] -> dequantize, transpose, requantize 1x128 along M: (q_t [K, M], s_t)."""
+    fn = _route("transpose_requantize", q)
+    if fn is not None:
+        return fn(q, s, name=name)
+    return quant.quantize_128x1(quant.dequantize_1x128(q, s.contiguous(), name=name), name=name)

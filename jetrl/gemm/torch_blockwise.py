@@ -1,0 +1,76 @@
+"""The `torch-blockwise` backend: cuBLASLt block-scaled FP8 through ``torch._scaled_mm`` (torch >= 2.10
+on sm_90, cuBLASLt >= 12.9).
+
+``torch._scaled_mm(A [M, K] row-major, B [K, N] column-major, scale_a, scale_b)`` recognises the
+DeepSeek recipe by the scale shapes and strides:
+
+- 1x128 A: scale_a ``[M, ceil(K/128)]`` with strides ``(1, M)`` (outer-dim-major);
+- 128x128 B: ``scale_b.t()`` is ``[ceil(N/128), ceil(K/128)]`` row-major (our weight scales, transposed view);
+- 1x128 B (wgrad): ``scale_b.t()`` is ``[N, ceil(K/128)]`` with strides ``(1, N)``.
+
+cuBLASLt wants M a multiple of 4 (M = 1 or 129 fail), so odd M is zero-padded and sliced off (rows are
+independent: the padding cannot change the real rows). K is zero-padded to a multiple of 128 for
+wgrad's token axis. The fp32 accumulate of wgrad is an fp32 output plus a separate add (cuBLASLt's
+beta is not exposed by ``_scaled_mm``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from jetrl.gemm.base import GemmBackend, align, pad_k, to_scale_layout
+from jetrl.recipe import BLOCK
+
+
+class TorchBlockwiseBackend(GemmBackend):
+    name = "torch-blockwise"
+    scale_layout = "deepgemm"
+    device_type = "cuda"
+
+    @staticmethod
+    def unavailable_reason() -> str | None:
+        if not hasattr(torch, "_scaled_mm"):
+            return f"torch {torch.__version__} has no torch._scaled_mm"
+        if not torch.cuda.is_available():
+            return "no CUDA device (cuBLASLt block-scaled FP8 needs an sm_90 GPU)"
+        major, minor = torch.cuda.get_device_capability()
+        if major != 9:
+            return f"cuBLASLt 1x128/128x128 block scaling runs on sm_90 only; this GPU is sm_{major}{minor}"
+        return None
+
+    def check_linear_shape(self, out_features: int, in_features: int) -> str | None:
+        if in_features % BLOCK or out_features % BLOCK:
+            return (
+                f"torch-blockwise needs in_features and out_features multiples of {BLOCK} (K of fprop and of "
+                f"dgrad), got out_features={out_features} in_features={in_features}"
+            )
+        return None
+
+    def _gemm(self, a, a_s, b, b_s, *, role, out_dtype, c):
+        m, n = a.shape[0], b.shape[0]
+        if m == 0 or n == 0 or a.shape[1] == 0:
+            return _empty_result(m, n, out_dtype, c, a.device)
+        a, b = pad_k(a), pad_k(b)
+        mp = align(m, 4)
+        if mp != m:
+            a = torch.cat([a, torch.zeros((mp - m, a.shape[1]), dtype=a.dtype, device=a.device)])
+            a_s = torch.cat([a_s, torch.ones((mp - m, a_s.shape[1]), dtype=a_s.dtype, device=a_s.device)])
+        scale_a = to_scale_layout(a_s, "deepgemm")  # [mp, kb], strides (1, mp)
+        if role == "wgrad":
+            scale_b = to_scale_layout(b_s, "deepgemm").t()  # .t() is [N, kb] strides (1, N)
+        else:
+            scale_b = b_s.contiguous().t()  # .t() is [ceil(N/128), kb] row-major
+        gemm_dtype = torch.float32 if (c is not None or role == "wgrad") else out_dtype
+        # Shapes: [M, K] @ [N, K]^T -> [M, N]
+        d = torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=gemm_dtype)
+        if mp != m:
+            d = d[:m]
+        if c is not None:
+            d = c + d
+        return d.to(out_dtype)
+
+
+def _empty_result(m, n, out_dtype, c, device):
+    if c is not None:
+        return c.clone().to(out_dtype)
+    return torch.zeros((m, n), dtype=out_dtype, device=device)
