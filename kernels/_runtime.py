@@ -1,0 +1,134 @@
+"""Shared launcher plumbing for the jetrl Triton kernels: the non-finite flag, scale layouts, checks.
+
+Non-finite detection on CUDA costs one predicated store per program: every kernel tests its tile
+(``|x| < inf`` is false for NaN and +-Inf) and, if anything failed, writes 1 into its own int32 slot
+of a per-device flag buffer. A slot belongs to one ``(op, tensor name)`` pair (registered on the host
+when the launcher runs, reused on the next step), so `check_nonfinite` — one device-to-host copy the
+caller makes once per step — can say which op saw which tensor go bad. Nothing synchronises inside
+the kernels' launchers. The CPU path (the ``torch_<op>`` references) raises at once instead.
+
+A kernel that saw non-finite input still writes outputs (garbage for the affected groups); they must
+not be used, which is why `check_nonfinite` raises rather than returns.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from jetrl.quant import NonFiniteError, ceil_div
+from jetrl.recipe import BLOCK
+
+__all__ = [
+    "SCALE_LAYOUTS",
+    "check_nonfinite",
+    "nonfinite_flag",
+    "reset_nonfinite",
+    "scale_buffer",
+    "to_scale_layout",
+    "check_matrix",
+]
+
+SCALE_LAYOUTS = ("row", "deepgemm")
+_FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
+
+_lock = threading.Lock()
+_slots: dict[tuple[str, str], int] = {}  # (op, name) -> slot index, shared by all devices
+_names: list[tuple[str, str]] = []  # slot index -> (op, name)
+_flags: dict[torch.device, torch.Tensor] = {}  # device -> int32 [capacity]
+
+
+def _slot(op: str, name: str) -> int:
+    key = (op, name)
+    slot = _slots.get(key)
+    if slot is None:
+        slot = len(_names)
+        _slots[key] = slot
+        _names.append(key)
+    return slot
+
+
+def nonfinite_flag(op: str, name: str, device: torch.device) -> tuple[torch.Tensor, int]:
+    """The device flag buffer and the slot a kernel launched by `op` on tensor `name` sets to 1.
+
+    The buffer grows (copied on the current stream, so pending writes are kept in order) when new
+    names appear; steady-state steps reuse their slots and allocate nothing.
+    """
+    device = torch.device(device)
+    with _lock:
+        slot = _slot(op, name)
+        buf = _flags.get(device)
+        if buf is None or buf.numel() <= slot:
+            cap = max(256, 2 * (slot + 1))
+            new = torch.zeros(cap, dtype=torch.int32, device=device)
+            if buf is not None:
+                new[: buf.numel()].copy_(buf)
+            _flags[device] = buf = new
+    return buf, slot
+
+
+def check_nonfinite(reset: bool = True) -> None:
+    """Raise `jetrl.quant.NonFiniteError` if any kernel since the last check saw NaN or Inf input.
+
+    Call once per step (it synchronises with the device). The message names every (op, tensor) that
+    tripped. With ``reset`` (default) the flags are cleared, also when raising.
+    """
+    bad: list[str] = []
+    with _lock:
+        for device, buf in _flags.items():
+            hits = torch.nonzero(buf).flatten().tolist()  # the one device->host sync
+            for slot in hits:
+                op, name = _names[slot]
+                bad.append(f"{op} on {name} ({device})")
+            if reset and hits:
+                buf.zero_()
+    if bad:
+        raise NonFiniteError(
+            "non-finite values (NaN/Inf) reached FP8 kernels; their outputs are invalid: " + "; ".join(bad)
+        )
+
+
+def reset_nonfinite() -> None:
+    """Clear every device flag without checking."""
+    with _lock:
+        for buf in _flags.values():
+            buf.zero_()
+
+
+def scale_buffer(m: int, g: int, layout: str, device: torch.device) -> torch.Tensor:
+    """An fp32 ``[m, g]`` scale tensor: row-major (``"row"``) or DeepGEMM's MN-major layout
+    (``"deepgemm"``: strides ``(1, align(m, 4))``, a column view of a ``[g, align(m, 4)]`` buffer)."""
+    if layout == "row":
+        return torch.empty((m, g), dtype=torch.float32, device=device)
+    if layout == "deepgemm":
+        m_pad = ceil_div(m, 4) * 4
+        return torch.empty((g, m_pad), dtype=torch.float32, device=device).t()[:m]
+    raise ValueError(f"scale_layout={layout!r}: choose one of {SCALE_LAYOUTS}")
+
+
+def to_scale_layout(s: torch.Tensor, layout: str) -> torch.Tensor:
+    """Copy row-major scales ``[m, g]`` into `scale_buffer`'s layout (used by the references)."""
+    out = scale_buffer(s.shape[0], s.shape[1], layout, s.device)
+    out.copy_(s)
+    return out
+
+
+def check_matrix(x: torch.Tensor, name: str, op: str, *, inner_contiguous: bool = True) -> None:
+    """Layout contract shared by the launchers: a 2-D float tensor whose last dim has unit stride."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"{op}: {name} must be 2-D [M, K], got shape {tuple(x.shape)}")
+    if x.dtype not in _FLOAT_INPUTS:
+        raise TypeError(f"{op}: {name} has dtype {x.dtype}; use float32, bfloat16 or float16")
+    if inner_contiguous and x.shape[1] > 1 and x.stride(1) != 1:
+        raise ValueError(
+            f"{op}: {name} must have unit stride along its last dim, got strides {x.stride()} "
+            f"(call .contiguous() first)"
+        )
+
+
+def groups(k: int) -> int:
+    """Number of 128-wide groups covering k."""
+    return ceil_div(k, BLOCK)

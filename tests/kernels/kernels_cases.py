@@ -1,0 +1,123 @@
+"""Shared cases and helpers for the kernel tests: shape lists, hostile inputs, the interpreter runner.
+
+The Triton CPU interpreter must be switched on (``TRITON_INTERPRET=1``) before a kernel module is
+imported, and other test directories import `jetrl.kernels` in compiled mode. So interpreter runs
+happen in a subprocess: `run_interpreted` pickles the launcher calls, runs them in a fresh
+interpreter-mode Python (this file as a script), and returns each call's outputs, its (possibly
+written) arguments and the `check_nonfinite` message, if any. All comparisons stay in the tests.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import tempfile
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+# Real model dims (Llama-8B hidden 4096, Qwen 5120, Llama-8B MLP 14336) beside hostile ones:
+# M = 1 / 13 / 4095 (not a multiple of 128 or 4), K with partial last groups.
+GPU_SHAPES = [
+    pytest.param(4096, 4096, id="M4096-K4096"),
+    pytest.param(4095, 5120, id="M4095-K5120"),
+    pytest.param(1, 14336, id="M1-K14336"),
+    pytest.param(13, 4096, id="M13-K4096"),
+    pytest.param(257, 14336, id="M257-K14336"),
+    pytest.param(13, 200, id="M13-K200-partial"),
+    pytest.param(129, 1000, id="M129-K1000-partial"),
+    pytest.param(1, 72, id="M1-K72-partial"),
+]
+
+# Small shapes for the CPU interpreter (each hostile property kept, sizes tiny).
+INTERP_SHAPES = [(1, 128), (13, 300), (130, 257)]
+
+KINDS = ("randn", "zero-group", "wide-range")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def make_input(m: int, k: int, dtype: torch.dtype, kind: str, *, seed: int = 0, device="cpu") -> torch.Tensor:
+    """``[m, k]`` test data. ``zero-group``: the first 128-group of row 0 and the first 128 rows of
+    column 0 are zero; ``wide-range``: each row and each 128-column group scaled by its own power of
+    ten spanning 1e-30..1e30 (fp16 is clipped to its own range)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g, dtype=torch.float32)
+    if kind == "zero-group":
+        x[0, :128] = 0.0
+        x[:128, 0] = 0.0
+    elif kind == "wide-range":
+        hi = 3 if dtype == torch.float16 else 30
+        col_exp = torch.linspace(-hi, hi, (k + 127) // 128).repeat_interleave(128)[:k]
+        row_exp = torch.randint(-hi, hi + 1, (m, 1), generator=g).float()
+        x = x * torch.pow(10.0, torch.clamp(col_exp[None, :] + row_exp, -hi, hi))
+    elif kind != "randn":
+        raise ValueError(kind)
+    return x.to(dtype).to(device)
+
+
+def e4m3_bytes_of(pre: torch.Tensor) -> torch.Tensor:
+    """A correct RNE cast of already-clamped fp32 values to e4m3 bytes (ml_dtypes, independent of torch)."""
+    arr = pre.detach().cpu().numpy().astype(ml_dtypes.float8_e4m3fn)
+    return torch.from_numpy(arr.view(np.uint8).copy())
+
+
+def u8(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.uint8)
+
+
+def assert_bitwise(name: str, got: torch.Tensor, want: torch.Tensor, ctx: str = "") -> None:
+    """Bitwise equality of bytes (e4m3 -> uint8) or fp32 (-> int32), with a count and first mismatch."""
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)} {ctx}"
+    a, b = got.detach().cpu(), want.detach().cpu()
+    if a.dtype == torch.float8_e4m3fn:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    elif a.dtype == torch.float32:
+        a, b = a.contiguous().view(torch.int32), b.contiguous().view(torch.int32)
+    diff = a != b
+    n = int(diff.sum())
+    if n:
+        idx = tuple(int(i) for i in torch.nonzero(diff)[0])
+        raise AssertionError(
+            f"{name}: {n}/{a.numel()} differ {ctx}; first at {idx}: got {got.detach().cpu()[idx]!r} "
+            f"want {want.detach().cpu()[idx]!r}"
+        )
+
+
+def run_interpreted(calls: list[tuple[str, str, tuple, dict]], timeout: float = 300.0) -> list[dict]:
+    """Run ``jetrl.kernels.<module>.<function>(*args, **kwargs)`` for each call under the Triton
+    interpreter in a subprocess. Returns per call ``{"out": ..., "args": ..., "nonfinite": str|None}``."""
+    with tempfile.TemporaryDirectory() as d:
+        src, dst = os.path.join(d, "calls.pt"), os.path.join(d, "results.pt")
+        torch.save(calls, src)
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        proc = subprocess.run(
+            [sys.executable, __file__, src, dst], env=env, capture_output=True, text=True, timeout=timeout
+        )
+        if proc.returncode != 0:
+            pytest.fail(f"interpreter subprocess failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+        return torch.load(dst, weights_only=False)
+
+
+def _main(src: str, dst: str) -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    from jetrl.kernels import check_nonfinite
+    from jetrl.quant import NonFiniteError
+
+    results = []
+    for module, fn, args, kwargs in torch.load(src, weights_only=False):
+        out = getattr(importlib.import_module(f"jetrl.kernels.{module}"), fn)(*args, **kwargs)
+        try:
+            check_nonfinite()
+            msg = None
+        except NonFiniteError as e:
+            msg = str(e)
+        results.append({"out": out, "args": args, "nonfinite": msg})
+    torch.save(results, dst)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], sys.argv[2])
