@@ -1,0 +1,464 @@
+"""The trainer's configuration: frozen dataclasses loaded from YAML (or JSON), checked before any work.
+
+A config file has one mapping per section (``run``, ``model``, ``task``, ``warmup``, ``rollout``,
+``algo``, ``optim``, ``lint``); every key is a field below, documented by the docstring under it.
+`load_config` rejects unknown keys (naming the dotted field and the closest valid one), wrong types
+and inconsistent values; `jetrl.train.checks.check_environment` then rejects what the recipe or the
+machine cannot run (shapes the FP8 GEMMs cannot take, a GEMM backend or device that is not there)
+before a model is built. ``algo.name`` picks a preset (``grpo`` or ``dapo``) whose defaults the other
+``algo`` keys override.
+
+Command-line overrides use dotted keys: ``run.steps=5 algo.name=dapo``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from jetrl.recipe import RECIPE_NAMES
+
+from .algo import LOSS_AGG_MODES
+
+__all__ = [
+    "ConfigError",
+    "RunConfig",
+    "ModelConfig",
+    "TaskConfig",
+    "WarmupConfig",
+    "RolloutConfig",
+    "AlgoConfig",
+    "OptimConfig",
+    "LintConfig",
+    "TrainConfig",
+    "load_config",
+    "config_from_dict",
+    "apply_overrides",
+]
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message starts with the dotted field name."""
+
+
+def _fail(path: str, msg: str) -> ConfigError:
+    return ConfigError(f"{path}: {msg}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "tiny-arith"
+    """Run name: outputs go to ``<out_dir>/<name>/``."""
+    out_dir: str = "runs"
+    """Parent directory of run directories."""
+    seed: int = 0
+    """Seed of the model init, the data order and the rollout sampling (same seed = same data order)."""
+    steps: int = 30
+    """Number of RL steps."""
+    recipe: str = "jetrl-unified"
+    """Precision recipe (`jetrl.recipe.RECIPE_NAMES`)."""
+    device: str = "cpu"
+    """Trainer device: 'cpu' or 'cuda'."""
+    gemm_backend: str = "auto"
+    """FP8 GEMM backend for the trainer and the rollout: 'auto', 'deepgemm', 'torch-blockwise', 'emulated'."""
+    checkpoint_every: int = 10
+    """Write an atomic checkpoint every K steps (and after the last step); 0 disables periodic ones."""
+    keep_checkpoints: int = 2
+    """How many recent checkpoints to keep."""
+    eval_every: int = 0
+    """Greedy accuracy on the held-out set every K steps (0: only at start and end)."""
+    eval_prompts: int = 128
+    """Size of the held-out evaluation set (0 disables evaluation)."""
+    threads: int = 0
+    """torch intra-op threads for the trainer (0 = torch's default)."""
+    progress: bool = True
+    """Show a progress bar with ETA on stderr."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str | None = None
+    """HF model directory (with tokenizer); None builds the embedded tiny Qwen3 with `jetrl.tiny`."""
+    tiny: dict[str, Any] = field(default_factory=dict)
+    """Overrides for `jetrl.tiny.tiny_qwen3_config` (e.g. ``num_hidden_layers: 2``)."""
+    dtype: str = "bfloat16"
+    """Dtype of the trainer's compute weights and of the rollout engine ('bfloat16')."""
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    name: str = "arithmetic"
+    """Task kind (only 'arithmetic', see `jetrl.train.task`)."""
+    min_operand: int = 0
+    """Smallest operand."""
+    max_operand: int = 99
+    """Largest operand."""
+    ops: tuple[str, ...] = ("+",)
+    """Operators."""
+
+
+@dataclass(frozen=True)
+class WarmupConfig:
+    steps: int = 300
+    """Supervised warm-up steps on the task's answers before RL (0 skips). Recipe independent: run once
+    in float32 and cached, so every recipe starts from the same weights."""
+    batch_size: int = 64
+    """Problems per warm-up step."""
+    lr: float = 3e-3
+    """AdamW learning rate of the warm-up (cosine decay to 10%)."""
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    prompts_per_step: int = 16
+    """Prompts per RL step (B)."""
+    samples_per_prompt: int = 8
+    """Samples per prompt (G, the GRPO group size)."""
+    temperature: float = 1.0
+    """Sampling temperature (the trainer scores log-probs at the same temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1.0 = off; < 1 makes the sampling distribution differ from the policy)."""
+    max_tokens: int = 8
+    """Response budget in tokens (the overlong penalty counts against it)."""
+    max_model_len: int = 64
+    """Engine context length (prompt + response)."""
+    gpu_memory_utilization: float | None = None
+    """Fraction of device memory (on CPU: of host memory) vLLM reserves; None = adapter default."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for `jetrl.rollout.adapter.create_engine`."""
+
+
+_ALGO_PRESETS: dict[str, dict[str, Any]] = {
+    "grpo": dict(
+        clip_low=0.2, clip_high=0.2, loss_agg="seq-mean-token-mean", dynamic_sampling=False, overlong_buffer=0
+    ),
+    "dapo": dict(clip_low=0.2, clip_high=0.28, loss_agg="token-mean", dynamic_sampling=True, overlong_buffer=2),
+}
+
+
+@dataclass(frozen=True)
+class AlgoConfig:
+    name: str = "grpo"
+    """'grpo' or 'dapo'; sets the defaults of the fields below that the config does not give."""
+    clip_low: float = 0.2
+    """Lower PPO clip: ratio >= 1 - clip_low."""
+    clip_high: float = 0.2
+    """Upper PPO clip: ratio <= 1 + clip_high (DAPO clip-higher: 0.28)."""
+    loss_agg: str = "seq-mean-token-mean"
+    """Loss aggregation (`jetrl.train.algo.LOSS_AGG_MODES`); DAPO: 'token-mean'."""
+    norm_adv_by_std: bool = True
+    """Divide group-centred rewards by the group std (False = Dr. GRPO)."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and sample more prompts to refill the batch."""
+    max_gen_batches: int = 3
+    """Dynamic sampling: most generation rounds per step before training on what was kept."""
+    overlong_buffer: int = 0
+    """DAPO overlong penalty buffer in tokens (0 = off); must be < rollout.max_tokens."""
+    overlong_penalty: float = 1.0
+    """Penalty at the full budget (reward -= factor * overrun fraction)."""
+    mini_batches: int = 2
+    """Optimizer steps per RL step (the batch is split); later ones are off-policy, hence clipping."""
+    epochs: int = 1
+    """Passes over the batch per RL step."""
+    micro_batch_size: int = 64
+    """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
+    old_logp: str = "trainer"
+    """PPO anchor log-probs: 'trainer' (recomputed with the synced weights) or 'rollout' (the engine's)."""
+    tis_cap: float | None = None
+    """Truncated importance sampling cap on exp(logp_trainer - logp_rollout); None = no correction."""
+    eps: float = 1e-6
+    """Added to the group std."""
+
+    @staticmethod
+    def preset(name: str) -> AlgoConfig:
+        if name not in _ALGO_PRESETS:
+            raise _fail("algo.name", f"unknown algorithm {name!r}; choose one of {sorted(_ALGO_PRESETS)}")
+        return AlgoConfig(name=name, **_ALGO_PRESETS[name])
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 2e-4
+    """AdamW learning rate (constant after warm-up)."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global grad norm to this value (0 = off)."""
+    lr_warmup_steps: int = 0
+    """Linear learning-rate warm-up over this many optimizer steps."""
+
+
+@dataclass(frozen=True)
+class LintConfig:
+    enabled: bool = True
+    """Run `jetrl.lint.lint` on the model and recipe once before training."""
+    allow_violations: bool = False
+    """Train even when the lint reports violations (the report is still printed and saved)."""
+    numeric: bool = False
+    """Ask the lint for its numeric (byte-level) mode as well."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    lint: LintConfig = field(default_factory=LintConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    def replace(self, **sections: Any) -> TrainConfig:
+        """A copy with whole sections or ``section={field: value}`` dicts replaced, validated again."""
+        d = self.to_dict()
+        for sec, val in sections.items():
+            if isinstance(val, dict):
+                if sec not in d:
+                    raise _fail(sec, f"unknown section; valid: {sorted(d)}")
+                d[sec].update(val)
+            else:
+                d[sec] = dataclasses.asdict(val)
+        return config_from_dict(d)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.out_dir) / self.run.name
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing
+# ---------------------------------------------------------------------------------------------
+
+
+def _coerce(path: str, value: Any, tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errs = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(path, value, a)
+            except ConfigError as e:
+                errs.append(str(e))
+        raise _fail(path, f"expected {tp}, got {value!r}")
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise _fail(path, f"expected a list, got {type(value).__name__} {value!r}")
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_coerce(f"{path}[{i}]", v, args[0]) for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise _fail(path, f"expected {len(args)} values, got {len(value)}: {value!r}")
+        return tuple(_coerce(f"{path}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args, strict=True)))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise _fail(path, f"expected a mapping, got {type(value).__name__} {value!r}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise _fail(path, f"expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _fail(path, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise _fail(path, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise _fail(path, f"expected a string, got {value!r}")
+        return value
+    raise _fail(path, f"unsupported field type {tp}")  # pragma: no cover - a bug in this module
+
+
+def _build(cls: type, path: str, raw: Any, base: Any = None) -> Any:
+    if not isinstance(raw, dict):
+        raise _fail(path, f"expected a mapping of fields, got {type(raw).__name__} {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in raw:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean '{path}.{close[0]}'?" if close else ""
+            raise _fail(f"{path}.{key}", f"unknown key{hint} (valid keys: {', '.join(names)})")
+    values = {k: _coerce(f"{path}.{k}", v, hints[k]) for k, v in raw.items()}
+    return dataclasses.replace(base, **values) if base is not None else cls(**values)
+
+
+def _check_values(cfg: TrainConfig) -> None:
+    r, ro, a, w, o, t = cfg.run, cfg.rollout, cfg.algo, cfg.warmup, cfg.optim, cfg.task
+    positive = {
+        "run.steps": r.steps,
+        "rollout.prompts_per_step": ro.prompts_per_step,
+        "rollout.samples_per_prompt": ro.samples_per_prompt,
+        "rollout.max_tokens": ro.max_tokens,
+        "rollout.max_model_len": ro.max_model_len,
+        "algo.mini_batches": a.mini_batches,
+        "algo.epochs": a.epochs,
+        "algo.max_gen_batches": a.max_gen_batches,
+        "algo.micro_batch_size": a.micro_batch_size,
+        "warmup.batch_size": w.batch_size,
+        "run.keep_checkpoints": r.keep_checkpoints,
+    }
+    for k, v in positive.items():
+        if v < 1:
+            raise _fail(k, f"must be >= 1, got {v}")
+    for k, v in {
+        "run.checkpoint_every": r.checkpoint_every,
+        "run.eval_every": r.eval_every,
+        "run.eval_prompts": r.eval_prompts,
+        "run.threads": r.threads,
+        "warmup.steps": w.steps,
+        "algo.overlong_buffer": a.overlong_buffer,
+        "optim.lr_warmup_steps": o.lr_warmup_steps,
+    }.items():
+        if v < 0:
+            raise _fail(k, f"must be >= 0, got {v}")
+    if not r.name or "/" in r.name or r.name in (".", ".."):
+        raise _fail("run.name", f"{r.name!r} must be a plain directory name")
+    if r.recipe not in RECIPE_NAMES:
+        raise _fail("run.recipe", f"unknown recipe {r.recipe!r}; choose one of {list(RECIPE_NAMES)}")
+    if r.device not in ("cpu", "cuda"):
+        raise _fail("run.device", f"{r.device!r}: choose 'cpu' or 'cuda'")
+    if r.gemm_backend not in ("auto", "deepgemm", "torch-blockwise", "emulated"):
+        raise _fail("run.gemm_backend", f"{r.gemm_backend!r}: choose auto, deepgemm, torch-blockwise or emulated")
+    if cfg.model.dtype != "bfloat16":
+        raise _fail("model.dtype", f"{cfg.model.dtype!r}: only 'bfloat16' is supported (the rollout engine's dtype)")
+    if cfg.model.path is not None and cfg.model.tiny:
+        raise _fail("model.tiny", "overrides for the embedded tiny model cannot be combined with model.path")
+    if t.name != "arithmetic":
+        raise _fail("task.name", f"{t.name!r}: only 'arithmetic' is available")
+    if ro.samples_per_prompt < 2:
+        raise _fail("rollout.samples_per_prompt", f"GRPO needs groups of >= 2 samples, got {ro.samples_per_prompt}")
+    if not 0.0 < ro.temperature:
+        raise _fail("rollout.temperature", f"must be > 0 (greedy sampling gives no group signal), got {ro.temperature}")
+    if not 0.0 < ro.top_p <= 1.0:
+        raise _fail("rollout.top_p", f"must be in (0, 1], got {ro.top_p}")
+    if ro.gpu_memory_utilization is not None and not 0.0 < ro.gpu_memory_utilization <= 1.0:
+        raise _fail("rollout.gpu_memory_utilization", f"must be in (0, 1], got {ro.gpu_memory_utilization}")
+    n = ro.prompts_per_step * ro.samples_per_prompt
+    if ro.prompts_per_step % a.mini_batches:
+        raise _fail(
+            "algo.mini_batches",
+            f"{a.mini_batches} does not divide rollout.prompts_per_step={ro.prompts_per_step} (mini-batches hold "
+            f"whole groups; {n} samples in all)",
+        )
+    if a.loss_agg not in LOSS_AGG_MODES:
+        raise _fail("algo.loss_agg", f"{a.loss_agg!r}: choose one of {list(LOSS_AGG_MODES)}")
+    if not 0.0 <= a.clip_low < 1.0:
+        raise _fail("algo.clip_low", f"must be in [0, 1), got {a.clip_low}")
+    if a.clip_high < 0.0:
+        raise _fail("algo.clip_high", f"must be >= 0, got {a.clip_high}")
+    if a.overlong_buffer >= ro.max_tokens:
+        raise _fail("algo.overlong_buffer", f"{a.overlong_buffer} must be < rollout.max_tokens={ro.max_tokens}")
+    if a.old_logp not in ("trainer", "rollout"):
+        raise _fail("algo.old_logp", f"{a.old_logp!r}: choose 'trainer' or 'rollout'")
+    if a.tis_cap is not None and a.tis_cap <= 0:
+        raise _fail("algo.tis_cap", f"must be > 0 or null, got {a.tis_cap}")
+    if o.lr <= 0:
+        raise _fail("optim.lr", f"must be > 0, got {o.lr}")
+    if w.steps and w.lr <= 0:
+        raise _fail("warmup.lr", f"must be > 0, got {w.lr}")
+    if o.grad_clip < 0:
+        raise _fail("optim.grad_clip", f"must be >= 0, got {o.grad_clip}")
+    if not all(0.0 <= b < 1.0 for b in o.betas):
+        raise _fail("optim.betas", f"each beta must be in [0, 1), got {o.betas}")
+
+
+def config_from_dict(raw: dict[str, Any]) -> TrainConfig:
+    """Build and check a `TrainConfig` from a nested mapping (unknown keys raise `ConfigError`)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config: expected a mapping of sections, got {type(raw).__name__}")
+    sections = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    for key in raw:
+        if key not in sections:
+            close = difflib.get_close_matches(str(key), list(sections), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise _fail(str(key), f"unknown section{hint} (valid sections: {', '.join(sections)})")
+    built = {}
+    hints = typing.get_type_hints(TrainConfig)
+    for name in sections:
+        sub = raw.get(name) or {}
+        if name == "algo":
+            if not isinstance(sub, dict):
+                raise _fail("algo", f"expected a mapping of fields, got {type(sub).__name__}")
+            built[name] = _build(AlgoConfig, "algo", sub, base=AlgoConfig.preset(sub.get("name", "grpo")))
+        else:
+            built[name] = _build(hints[name], name, sub)
+    try:
+        _check_task(built["task"])
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    cfg = TrainConfig(**built)
+    _check_values(cfg)
+    return cfg
+
+
+def _check_task(task: TaskConfig) -> None:
+    """Validate the task fields by building the task (its errors name ``task.<field>``)."""
+    from .task import ArithmeticTask
+
+    ArithmeticTask(seed=0, min_operand=task.min_operand, max_operand=task.max_operand, ops=task.ops)
+
+
+def _parse_value(text: str) -> Any:
+    return yaml.safe_load(text)
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``section.key=value`` strings (values parsed as YAML) to a raw config mapping."""
+    out = json.loads(json.dumps(raw))
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected section.key=value")
+        key, text = item.split("=", 1)
+        parts = key.split(".")
+        if len(parts) < 2 or not all(parts):
+            raise ConfigError(f"override {item!r}: expected section.key=value")
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {p} is not a section")
+        node[parts[-1]] = _parse_value(text)
+    return out
+
+
+def load_raw(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    text = p.read_text()
+    try:
+        raw = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as e:
+        kind = "JSON" if p.suffix == ".json" else "YAML"
+        raise ConfigError(f"config file {str(p)!r} is not valid {kind}: {e}") from None
+    return raw or {}
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
+    """Read a YAML (``.yaml``/``.yml``) or JSON (``.json``) config and apply dotted overrides."""
+    return config_from_dict(apply_overrides(load_raw(path), overrides or []))

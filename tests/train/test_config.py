@@ -1,0 +1,67 @@
+"""Bad configs fail at load time with a message that names the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jetrl.train.config import ConfigError, config_from_dict, load_config
+
+
+def test_defaults_and_presets():
+    cfg = config_from_dict({})
+    assert cfg.algo.name == "grpo" and cfg.algo.loss_agg == "seq-mean-token-mean" and cfg.algo.clip_high == 0.2
+    dapo = config_from_dict({"algo": {"name": "dapo"}})
+    assert dapo.algo.clip_high == 0.28 and dapo.algo.loss_agg == "token-mean" and dapo.algo.dynamic_sampling
+    # explicit keys override the preset
+    assert config_from_dict({"algo": {"name": "dapo", "clip_high": 0.3}}).algo.clip_high == 0.3
+
+
+@pytest.mark.parametrize(
+    "raw, field",
+    [
+        ({"algo": {"clip_hgh": 0.3}}, "algo.clip_hgh"),
+        ({"rollut": {}}, "rollut"),
+        ({"run": {"steps": "ten"}}, "run.steps"),
+        ({"run": {"steps": 0}}, "run.steps"),
+        ({"run": {"recipe": "fp4"}}, "run.recipe"),
+        ({"run": {"device": "tpu"}}, "run.device"),
+        ({"run": {"gemm_backend": "cublas"}}, "run.gemm_backend"),
+        ({"rollout": {"samples_per_prompt": 1}}, "rollout.samples_per_prompt"),
+        ({"rollout": {"top_p": 0.0}}, "rollout.top_p"),
+        ({"algo": {"name": "ppo"}}, "algo.name"),
+        ({"algo": {"mini_batches": 3}}, "algo.mini_batches"),
+        ({"algo": {"loss_agg": "sum"}}, "algo.loss_agg"),
+        ({"algo": {"overlong_buffer": 8}}, "algo.overlong_buffer"),
+        ({"algo": {"tis_cap": -1}}, "algo.tis_cap"),
+        ({"optim": {"betas": [0.9]}}, "optim.betas"),
+        ({"task": {"ops": ["/"]}}, "task.ops"),
+        ({"model": {"dtype": "float16"}}, "model.dtype"),
+        ({"model": {"path": "/x", "tiny": {"num_hidden_layers": 2}}}, "model.tiny"),
+        ({"lint": {"enabled": "yes"}}, "lint.enabled"),
+    ],
+)
+def test_bad_config_names_field(raw, field):
+    with pytest.raises(ConfigError) as ei:
+        config_from_dict(raw)
+    assert str(ei.value).startswith(field + ":"), str(ei.value)
+
+
+def test_unknown_key_suggests_closest():
+    with pytest.raises(ConfigError, match="did you mean 'algo.clip_high'"):
+        config_from_dict({"algo": {"clip_hgh": 0.3}})
+
+
+def test_load_yaml_json_and_overrides(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("run:\n  steps: 5\nalgo:\n  name: dapo\n")
+    cfg = load_config(y, ["run.seed=7", "optim.betas=[0.8, 0.9]"])
+    assert (cfg.run.steps, cfg.run.seed, cfg.algo.name, cfg.optim.betas) == (5, 7, "dapo", (0.8, 0.9))
+    j = tmp_path / "c.json"
+    j.write_text(json.dumps(cfg.to_dict()))
+    assert load_config(j) == cfg
+    with pytest.raises(ConfigError, match="run.stepz"):
+        load_config(y, ["run.stepz=3"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
