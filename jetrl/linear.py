@@ -1,0 +1,272 @@
+"""`JetFP8Linear`: an `nn.Linear` whose fprop, dgrad and wgrad run as block-scaled FP8 GEMMs.
+
+The math (``../shared/NUMERICS.md`` sections 1 and 4), for X ``[M, K]`` (tokens x in_features),
+W ``[N, K]`` and dY ``[M, N]``::
+
+    fprop  Y  = Q1x128(X) @ Q128x128(W)^T      -> bf16 [M, N]  (jetrl.gemm.fprop, THE fprop)
+    dgrad  dX = Q1x128(dY) @ Q128x128(W)        -> bf16 [M, K]  (W^T bytes: 128x128 is transpose invariant)
+    wgrad  dW = Q128x1(dY)^T @ Q128x1(X)        -> fp32 [N, K]  (1x128 along the token axis, fp32 accumulate)
+
+What is stored, and when it is computed:
+
+- W is quantized 128x128 once per optimizer step, together with its transposed bytes (for dgrad),
+  and cached on the module. The cache key is the weight's version counter, data pointer, shape and
+  dtype: every in-place update (``optimizer.step()``, ``copy_``) bumps the version and invalidates
+  it. Writes through ``weight.data`` bypass the version counter; call `invalidate_fp8_caches(model)`
+  after them, or `invalidate_on_step(optimizer, model)` once to do it after every step.
+- X is quantized 1x128 in the forward and saved for backward as fp8 bytes + scales (half the bytes
+  of BF16) when ``recipe.save_activations_fp8``; wgrad then takes X^T by `transpose_requantize`
+  (dequantize, transpose, requantize along tokens). Otherwise the BF16 X is saved and quantized 128x1
+  directly.
+- dY arrives in BF16 (gradients between ops stay BF16); it is quantized 1x128 for dgrad and 128x1
+  for wgrad. dX leaves in X's dtype. dW is accumulated in fp32: into ``weight.main_grad`` in place
+  when that attribute exists (Megatron/verl style; ``weight.grad`` then stays None), else returned as
+  the weight's gradient in the weight's dtype.
+
+Pre-quantized inputs. A fused producer (RMSNorm + quantize, SwiGLU + quantize) computes the 1x128
+bytes of its output anyway; it hands them over with ``attach_quantized(y, q, s)``, which stores a
+`QuantizedActivation` on the output tensor ``y``. A JetFP8Linear receiving exactly that tensor
+(same object, same data pointer, same version counter, matching shape) uses the bytes instead of
+quantizing again; any in-place change of ``y`` or a different tensor makes it quantize afresh. The
+three projections reading one normed hidden state (q/k/v, gate/up) then share one quantization and
+one saved fp8 copy. The bytes are the same either way (the producer's quantizer is the reference's).
+
+`fp8_param` mode (`jetrl.fp8_param`): the module's ``weight`` holds the fp8 bytes themselves (with a
+``weight_scale_inv`` buffer) and wgrad goes to an fp32 master held by the optimizer path; see there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from jetrl.gemm import GemmBackend, fprop, get_backend
+from jetrl.gemm.base import to_scale_layout
+from jetrl.gemm.quantize import quantize_1x128, quantize_128x128, transpose_quantize, transpose_requantize
+from jetrl.recipe import Recipe, RecipeError
+
+__all__ = [
+    "JetFP8Linear",
+    "QuantizedActivation",
+    "attach_quantized",
+    "quantized_of",
+    "invalidate_fp8_caches",
+    "invalidate_on_step",
+]
+
+_ATTR = "_jetrl_fp8_activation"
+
+
+@dataclass(frozen=True)
+class QuantizedActivation:
+    """The 1x128 quantization of a tensor, valid while the tensor is unchanged."""
+
+    q: torch.Tensor
+    """e4m3 [M, K] (M = numel / K)."""
+    s: torch.Tensor
+    """fp32 [M, ceil(K/128)], row or DeepGEMM layout."""
+    data_ptr: int
+    version: int
+    shape: tuple[int, ...]
+
+
+def attach_quantized(y: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Record that ``(q, s) = quantize_1x128(y.reshape(-1, K))``; returns `y` (for chaining)."""
+    k = y.shape[-1]
+    if tuple(q.shape) != (y.numel() // max(k, 1), k):
+        raise ValueError(f"attach_quantized: bytes {tuple(q.shape)} do not match tensor {tuple(y.shape)}")
+    setattr(y, _ATTR, QuantizedActivation(q, s, y.data_ptr(), y._version, tuple(y.shape)))
+    return y
+
+
+def quantized_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The (q, s) attached to `x` if they still describe it, else None."""
+    qa = getattr(x, _ATTR, None)
+    if qa is None:
+        return None
+    if qa.data_ptr != x.data_ptr() or qa.version != x._version or qa.shape != tuple(x.shape):
+        return None
+    return qa.q, qa.s
+
+
+class _FP8LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, grad_weight, bias, module, pre):
+        be = module.backend
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k)
+        if pre is None:
+            xq, xs = quantize_1x128(x2, scale_layout=be.scale_layout, name=f"{module.layer_name}:input")
+        else:
+            xq, xs = pre
+        wq, ws, wq_t, ws_t = module._fp8_operands(with_transpose=ctx.needs_input_grad[0])
+        y = fprop(xq, xs, wq, ws, bias, backend=be, out_dtype=x.dtype, name=f"{module.layer_name}:input")
+        ctx.module = module
+        ctx.grad_weight = grad_weight
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.fp8_saved = module.recipe.save_activations_fp8
+        if ctx.needs_input_grad[1]:
+            saved = (xq, xs) if ctx.fp8_saved else (x2,)
+        else:
+            saved = ()
+        ctx.save_for_backward(*saved)
+        ctx.w_t = (wq_t, ws_t)
+        return y.reshape(*x.shape[:-1], wq.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        module = ctx.module
+        be = module.backend
+        nm = module.layer_name
+        n = dy.shape[-1]
+        dy2 = dy.reshape(-1, n)
+        if dy2.dtype != ctx.x_dtype:
+            dy2 = dy2.to(ctx.x_dtype)
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dyq, dys = quantize_1x128(dy2, scale_layout=be.scale_layout, name=f"{nm}:grad_output")
+            wq_t, ws_t = ctx.w_t
+            # Shapes: [M, N] @ [K, N]^T -> [M, K]
+            dx = be.gemm(dyq, dys, wq_t, ws_t, role="dgrad", out_dtype=ctx.x_dtype).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            dyt_q, dyt_s = transpose_quantize(dy2, name=f"{nm}:grad_output")
+            if ctx.fp8_saved:
+                xq, xs = ctx.saved_tensors
+                xt_q, xt_s = transpose_requantize(xq, to_scale_layout(xs, "row"), name=f"{nm}:input")
+            else:
+                (x2,) = ctx.saved_tensors
+                xt_q, xt_s = transpose_quantize(x2, name=f"{nm}:input")
+            target = ctx.grad_weight
+            main_grad = getattr(target, "main_grad", None)
+            if main_grad is not None:
+                # Shapes: [N, M] @ [K, M]^T -> [N, K], accumulated in fp32 in place
+                be.gemm_accumulate_(dyt_q, dyt_s, xt_q, xt_s, main_grad)
+            else:
+                # Shapes: [N, M] @ [K, M]^T -> [N, K]
+                dw = be.gemm(dyt_q, dyt_s, xt_q, xt_s, role="wgrad", out_dtype=torch.float32)
+                dw = dw.to(target.dtype)
+        if ctx.needs_input_grad[2]:
+            db = dy2.float().sum(0).to(ctx.bias_dtype)
+        ctx.w_t = None
+        return dx, dw, db, None, None
+
+
+class JetFP8Linear(nn.Linear):
+    """A drop-in `nn.Linear` (same ``weight``/``bias`` parameters and names) computing in block FP8.
+
+    `backend` is a `jetrl.gemm` backend name or instance; `recipe` must train in FP8; `layer_name`
+    (e.g. "model.layers.3.mlp.down_proj") names the layer in errors and reports.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        recipe: Recipe | str = "jetrl-unified",
+        backend: str | GemmBackend = "auto",
+        layer_name: str = "",
+    ) -> None:
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self._setup(recipe, backend, layer_name)
+
+    def _setup(self, recipe, backend, layer_name) -> None:
+        recipe = Recipe.from_name(recipe) if isinstance(recipe, str) else recipe
+        if not recipe.train_fp8:
+            raise RecipeError(f"{layer_name or 'JetFP8Linear'}: recipe {recipe.name!r} does not train in FP8")
+        self.recipe = recipe
+        self.backend = get_backend(backend)
+        self.layer_name = layer_name or "JetFP8Linear"
+        reason = self.backend.check_linear_shape(self.out_features, self.in_features)
+        if reason:
+            raise ValueError(f"{self.layer_name}: {reason}")
+        self._cache: tuple | None = None
+        self._master: nn.Parameter | None = None  # set by jetrl.fp8_param
+        self.weight_quantizations = 0
+        """How many times the weight has been quantized (tests check: once per optimizer step)."""
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, *, recipe: Recipe | str, backend: str | GemmBackend = "auto", layer_name: str = ""
+    ) -> JetFP8Linear:
+        """Wrap an existing Linear, sharing its Parameter objects (an optimizer built before the
+        conversion keeps working; names are unchanged)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self._setup(recipe, backend, layer_name)
+        return self
+
+    # -- weights ---------------------------------------------------------------------------------
+    def _cache_key(self) -> tuple:
+        w = self.weight
+        return (w._version, w.data_ptr(), tuple(w.shape), w.dtype, w.device)
+
+    def _fp8_operands(self, with_transpose: bool):
+        """(q [N,K], s, q_t [K,N] or None, s_t or None) for the current weight."""
+        key = self._cache_key()
+        if self._cache is not None and self._cache[0] == key:
+            _, q, s, q_t, s_t = self._cache
+            if with_transpose and q_t is None:
+                q_t, s_t = q.t().contiguous(), s.t().contiguous()  # 128x128 is transpose invariant
+                self._cache = (key, q, s, q_t, s_t)
+            return q, s, q_t, s_t
+        if self._master is not None:  # fp8_param: the bytes are the parameter itself
+            q, s = self.weight, self.weight_scale_inv
+            q_t, s_t = (q.t().contiguous(), s.t().contiguous()) if with_transpose else (None, None)
+        else:
+            wname = f"{self.layer_name}.weight"
+            if with_transpose:
+                q, s, q_t, s_t = quantize_128x128(self.weight.detach(), with_transpose=True, name=wname)
+            else:
+                (q, s), q_t, s_t = quantize_128x128(self.weight.detach(), name=wname), None, None
+            self.weight_quantizations += 1
+        self._cache = (key, q, s, q_t, s_t)
+        return q, s, q_t, s_t
+
+    def fp8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q e4m3 [N, K], s fp32 [ceil(N/128), ceil(K/128)]): the weight as fprop and the rollout see it."""
+        q, s, _, _ = self._fp8_operands(with_transpose=False)
+        return q, s
+
+    def invalidate_fp8_weight(self) -> None:
+        """Drop the cached fp8 weight (needed only after writes that bypass the version counter)."""
+        self._cache = None
+
+    # -- forward ---------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"{self.layer_name}: input has {x.shape[-1]} features, expected {self.in_features}")
+        pre = quantized_of(x)
+        grad_weight = self._master if self._master is not None else self.weight
+        return _FP8LinearFn.apply(x, grad_weight, self.bias, self, pre)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"fp8={self.recipe.name}, backend={self.backend.name}" + (", fp8_param" if self._master is not None else "")
+        )
+
+
+def invalidate_fp8_caches(model: nn.Module) -> int:
+    """Drop every JetFP8Linear's cached fp8 weight; returns how many modules were reset."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, JetFP8Linear):
+            m.invalidate_fp8_weight()
+            n += 1
+    return n
+
+
+def invalidate_on_step(optimizer: torch.optim.Optimizer, model: nn.Module):
+    """Invalidate the model's fp8 weight caches after every ``optimizer.step()`` (belt and braces for
+    optimizers that write through ``.data``). Returns the hook handle."""
+    return optimizer.register_step_post_hook(lambda *_: invalidate_fp8_caches(model))

@@ -1,0 +1,246 @@
+"""JetFP8Linear on the emulated backend: numerics of fprop/dgrad/wgrad, the exact quantized
+reference, rollout parity with linear_fp8, pre-quantized inputs, the weight cache, main_grad, and
+what is saved for backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from jetrl import quant
+from jetrl.gemm import linear_fp8
+from jetrl.linear import JetFP8Linear, attach_quantized, invalidate_fp8_caches, invalidate_on_step, quantized_of
+from jetrl.recipe import Recipe, RecipeError
+from jetrl.testing.numerics import sqnr_db
+
+UNIFIED = Recipe.from_name("jetrl-unified")
+# (tokens, in_features, out_features): hostile token counts, K not a multiple of 256
+SHAPES = [(1, 128, 256), (13, 256, 384), (130, 384, 128)]
+IDS = [f"M{m}-K{k}-N{n}" for m, k, n in SHAPES]
+
+
+def _layer(k, n, bias=False, seed=0, dtype=torch.bfloat16, recipe=UNIFIED):
+    torch.manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias).to(dtype)
+    return JetFP8Linear.from_linear(lin, recipe=recipe, backend="emulated", layer_name="test.proj")
+
+
+def _inputs(m, k, n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    if m > 3:
+        x[3] *= 300.0  # one token with a very different range
+    dy = torch.randn(m, n, generator=g).to(torch.bfloat16)
+    return x, dy
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES, ids=IDS)
+def test_fwd_dgrad_wgrad_vs_float64(m, k, n):
+    layer = _layer(k, n, bias=True)
+    x, dy = _inputs(m, k, n)
+    x.requires_grad_(True)
+    y = layer(x.view(1, m, k))
+    y.backward(dy.view(1, m, n))
+    x64 = x.detach().double().requires_grad_(True)
+    w64 = layer.weight.detach().double().requires_grad_(True)
+    b64 = layer.bias.detach().double().requires_grad_(True)
+    y64 = x64 @ w64.t() + b64
+    y64.backward(dy.double())
+    for what, ref, got in (
+        ("fprop", y64, y.view(m, n)),
+        ("dgrad", x64.grad, x.grad),
+        ("wgrad", w64.grad, layer.weight.grad),
+        ("bias", b64.grad, layer.bias.grad),
+    ):
+        s = sqnr_db(ref, got)
+        assert torch.isfinite(got).all() and s >= 25, f"{what} {m=} {k=} {n=} sqnr={s:.1f} dB"
+    assert y.dtype == x.grad.dtype == torch.bfloat16 and layer.weight.grad.dtype == torch.bfloat16
+
+
+def _deq_reference(x, w, dy):
+    """Dequantize-then-float64 reference of the three passes (the FP8 recipe with exact arithmetic)."""
+    xq, xs = quant.quantize_1x128(x)
+    wq, ws = quant.quantize_128x128(w)
+    xd, wd = quant.dequantize_1x128(xq, xs).double(), quant.dequantize_128x128(wq, ws).double()
+    y = xd @ wd.t()
+    dyq, dys = quant.quantize_1x128(dy)
+    dx = quant.dequantize_1x128(dyq, dys).double() @ wd
+    dyt = quant.dequantize_128x1(*quant.quantize_128x1(dy)).double()
+    xt = quant.dequantize_128x1(*quant.quantize_128x1(quant.dequantize_1x128(xq, xs))).double()  # X saved in fp8
+    dw = dyt.t() @ xt
+    return y, dx, dw
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES, ids=IDS)
+def test_autograd_matches_dequantized_reference(m, k, n):
+    layer = _layer(k, n, dtype=torch.float32)
+    x, dy = _inputs(m, k, n, seed=5)
+    x.requires_grad_(True)
+    layer(x).backward(dy)
+    y_ref, dx_ref, dw_ref = _deq_reference(x.detach(), layer.weight.detach(), dy)
+    y = layer(x.detach())
+
+    # The emulated GEMM rounds an exact float64 sum once; the reference dequantizes to fp32 first (one
+    # more rounding per element, ~1e-7 relative). Within one bf16 ulp (outputs) / fp32 noise (dW).
+    def close(got, ref, rtol):
+        torch.testing.assert_close(got.double(), ref, rtol=rtol, atol=1e-6 * float(ref.abs().max()))
+
+    close(y, y_ref.to(torch.bfloat16).double(), 8e-3)
+    close(x.grad, dx_ref.to(torch.bfloat16).double(), 8e-3)
+    close(layer.weight.grad, dw_ref, 1e-5)
+
+
+def test_forward_is_linear_fp8_bitwise():
+    layer = _layer(256, 384, bias=True)
+    x, _ = _inputs(7, 256, 384)
+    q, s = layer.fp8_weight()
+    assert q.dtype == quant.FP8_DTYPE and tuple(s.shape) == (3, 2)
+    want = linear_fp8(x, q, s, layer.bias, backend="emulated", name="rollout")
+    assert torch.equal(layer(x), want)
+    with torch.no_grad():
+        assert torch.equal(layer(x), want)
+
+
+def test_pre_quantized_input_is_used_and_checked():
+    layer = _layer(256, 128)
+    x, _ = _inputs(4, 256, 128)
+    plain = layer(x)
+    q, s = quant.quantize_1x128(x)
+    attach_quantized(x, q, s)
+    assert quantized_of(x) is not None
+    assert torch.equal(layer(x), plain)  # same bytes -> same output
+    attach_quantized(x, torch.zeros_like(q), s)  # bytes that differ from x's: proves they are used
+    assert layer(x).abs().max() == 0
+    x.mul_(1.0)  # an in-place change bumps the version: the attachment is stale
+    assert quantized_of(x) is None and torch.equal(layer(x), plain)
+    assert quantized_of(x.clone()) is None
+    with pytest.raises(ValueError, match="do not match"):
+        attach_quantized(x, q[:2], s[:2])
+
+
+def test_shared_quantization_saves_one_copy():
+    """q/k/v reading one attached tensor save the same fp8 storage for backward."""
+    layers = [_layer(256, 128, seed=i) for i in range(3)]
+    x, _ = _inputs(8, 256, 128)
+    x.requires_grad_(True)
+    h = x * 1.0
+    attach_quantized(h, *quant.quantize_1x128(h.detach()))
+    ptrs = set()
+
+    def pack(t):
+        if t.dtype == quant.FP8_DTYPE:
+            ptrs.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = sum(layer(h).float().sum() for layer in layers)
+    out.backward()
+    assert len(ptrs) == 1 and x.grad is not None
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.1, foreach=False),
+        lambda p: torch.optim.SGD(p, lr=0.1, foreach=True),
+        lambda p: torch.optim.AdamW(p, lr=1e-2),
+    ],
+    ids=["sgd", "sgd-foreach", "adamw"],
+)
+def test_weight_cache_requantized_once_per_step(make_opt):
+    layer = _layer(256, 256, dtype=torch.float32)
+    opt = make_opt(layer.parameters())
+    x, _ = _inputs(16, 256, 256)
+    for step in range(3):
+        for _ in range(2):  # two micro-batches: one quantization
+            layer(x).float().square().mean().backward()
+        assert layer.weight_quantizations == step + 1
+        q_before = layer.fp8_weight()[0].clone()
+        opt.step()
+        opt.zero_grad()
+        assert not torch.equal(layer.fp8_weight()[0], q_before), "cache not invalidated by optimizer.step()"
+        assert layer.weight_quantizations == step + 2  # counts the next step's (only) quantization
+
+
+def test_invalidation_for_data_writes():
+    layer = _layer(128, 128, dtype=torch.float32)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    handle = invalidate_on_step(opt, layer)
+    q0 = layer.fp8_weight()[0].clone()
+    layer.weight.data.mul_(2.0)  # bypasses the version counter
+    assert torch.equal(layer.fp8_weight()[0], q0)  # documented: stale until invalidated
+    assert invalidate_fp8_caches(layer) == 1
+    assert torch.equal(layer.fp8_weight()[1], quant.quantize_128x128(layer.weight.detach())[1])
+    layer.weight.data.mul_(0.5)
+    opt.step()  # no grads: the step changes nothing, the hook still invalidates
+    assert torch.equal(layer.fp8_weight()[1], quant.quantize_128x128(layer.weight.detach())[1])
+    handle.remove()
+
+
+def test_main_grad_accumulates_in_fp32():
+    layer = _layer(256, 128)
+    layer.weight.main_grad = torch.zeros(128, 256, dtype=torch.float32)
+    x, dy = _inputs(32, 256, 128)
+    layer(x).backward(dy)
+    first = layer.weight.main_grad.clone()
+    layer(x).backward(dy)
+    assert layer.weight.grad is None
+    torch.testing.assert_close(layer.weight.main_grad, 2 * first, rtol=1e-6, atol=1e-6)
+    ref = dy.double().t() @ x.double()
+    assert sqnr_db(ref, first) >= 25
+
+
+@pytest.mark.parametrize("fp8_saved", [True, False], ids=["fp8-saved", "bf16-saved"])
+def test_saved_activation_bytes(fp8_saved):
+    recipe = UNIFIED.replace(save_activations_fp8=fp8_saved)
+    layer = _layer(512, 256, recipe=recipe)
+    x = torch.randn(64, 512, dtype=torch.bfloat16, requires_grad=True)
+    nbytes = []
+
+    def pack(t):
+        if t is not layer.weight:
+            nbytes.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = layer(x)
+    y.float().sum().backward()
+    want = 64 * 512 + 64 * 4 * 4 if fp8_saved else 64 * 512 * 2
+    assert sum(nbytes) == want, f"{fp8_saved=} saved {sum(nbytes)} bytes, want {want}"
+
+
+def test_no_grad_forward_saves_and_transposes_nothing():
+    layer = _layer(256, 128)
+    with torch.no_grad():
+        layer(torch.randn(4, 256, dtype=torch.bfloat16))
+    assert layer._cache[3] is None  # no transposed weight bytes when no backward can follow
+
+
+def test_errors_name_the_layer():
+    layer = _layer(256, 128)
+    with pytest.raises(ValueError, match="test.proj: input has 128 features, expected 256"):
+        layer(torch.randn(2, 128))
+    with pytest.raises(RecipeError, match="does not train in FP8"):
+        JetFP8Linear(256, 128, recipe="bf16", backend="emulated")
+    bad = torch.randn(2, 256)
+    bad[0, 0] = float("inf")
+    with pytest.raises(quant.NonFiniteError, match="test.proj:input"):
+        layer(bad)
+    x = torch.randn(2, 256, requires_grad=True)
+    y = layer(x)
+    with pytest.raises(quant.NonFiniteError, match="test.proj:grad_output"):
+        y.backward(torch.full_like(y, float("nan")))
+    with pytest.raises(ValueError, match="unknown GEMM backend"):
+        JetFP8Linear(256, 128, backend="cublas")
+
+
+def test_parameter_names_and_fp32_master_weights():
+    lin = nn.Linear(256, 128)
+    names = [n for n, _ in lin.named_parameters()]
+    layer = JetFP8Linear.from_linear(lin, recipe=UNIFIED, backend="emulated")
+    assert [n for n, _ in layer.named_parameters()] == names and layer.weight is lin.weight
+    x = torch.randn(3, 256, dtype=torch.bfloat16, requires_grad=True)
+    layer(x).float().sum().backward()
+    assert layer.weight.grad.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
+    assert "backend=emulated" in repr(layer)
