@@ -14,7 +14,6 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	@test -n "$(PYTHON)" || { echo "jetrl needs Python 3.11 or 3.12 (python3.11 / python3.12 / python3 on PATH)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: pip takes the CPU wheel lying on disk (an unpinned torch pulls a CUDA build)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[cpu,dev]'
