@@ -5,11 +5,22 @@ implementation): on CUDA it launches the Triton kernel, on CPU it runs the refer
 `jetrl.quant`. Non-finite input raises `jetrl.quant.NonFiniteError` at once on CPU; on CUDA it sets
 a device flag that `check_nonfinite()` (call once per step) turns into the same error, naming the op
 and the tensor.
+
+Ops (one file each): `quantize_1x128`, `quantize_128x128`, `transpose_quantize` /
+`transpose_requantize`, `rmsnorm_quant` / `rmsnorm_backward`, `swiglu_quant` / `swiglu_backward`.
 """
 
 from ._runtime import check_nonfinite, reset_nonfinite
 from .quantize_1x128 import quantize_1x128, torch_quantize_1x128
 from .quantize_128x128 import quantize_128x128, torch_quantize_128x128
+from .rmsnorm_quant import rmsnorm_backward, rmsnorm_quant, torch_rmsnorm_backward, torch_rmsnorm_quant
+from .swiglu_quant import swiglu_backward, swiglu_quant, torch_swiglu_backward, torch_swiglu_quant
+from .transpose_quantize import (
+    torch_transpose_quantize,
+    torch_transpose_requantize,
+    transpose_quantize,
+    transpose_requantize,
+)
 
 __all__ = [
     "check_nonfinite",
@@ -18,4 +29,16 @@ __all__ = [
     "torch_quantize_1x128",
     "quantize_128x128",
     "torch_quantize_128x128",
+    "transpose_quantize",
+    "torch_transpose_quantize",
+    "transpose_requantize",
+    "torch_transpose_requantize",
+    "rmsnorm_quant",
+    "torch_rmsnorm_quant",
+    "rmsnorm_backward",
+    "torch_rmsnorm_backward",
+    "swiglu_quant",
+    "torch_swiglu_quant",
+    "swiglu_backward",
+    "torch_swiglu_backward",
 ]

@@ -40,17 +40,19 @@ KINDS = ("randn", "zero-group", "wide-range")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def make_input(m: int, k: int, dtype: torch.dtype, kind: str, *, seed: int = 0, device="cpu") -> torch.Tensor:
+def make_input(
+    m: int, k: int, dtype: torch.dtype, kind: str, *, seed: int = 0, device="cpu", hi: int | None = None
+) -> torch.Tensor:
     """``[m, k]`` test data. ``zero-group``: the first 128-group of row 0 and the first 128 rows of
     column 0 are zero; ``wide-range``: each row and each 128-column group scaled by its own power of
-    ten spanning 1e-30..1e30 (fp16 is clipped to its own range)."""
+    ten spanning 1e-30..1e30 (1e-3..1e3 for fp16; ``hi`` overrides the exponent range)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g, dtype=torch.float32)
     if kind == "zero-group":
         x[0, :128] = 0.0
         x[:128, 0] = 0.0
     elif kind == "wide-range":
-        hi = 3 if dtype == torch.float16 else 30
+        hi = hi if hi is not None else 3 if dtype == torch.float16 else 30
         col_exp = torch.linspace(-hi, hi, (k + 127) // 128).repeat_interleave(128)[:k]
         row_exp = torch.randint(-hi, hi + 1, (m, 1), generator=g).float()
         x = x * torch.pow(10.0, torch.clamp(col_exp[None, :] + row_exp, -hi, hi))
@@ -84,6 +86,26 @@ def assert_bitwise(name: str, got: torch.Tensor, want: torch.Tensor, ctx: str = 
         raise AssertionError(
             f"{name}: {n}/{a.numel()} differ {ctx}; first at {idx}: got {got.detach().cpu()[idx]!r} "
             f"want {want.detach().cpu()[idx]!r}"
+        )
+
+
+# one unit in the last place of each dtype (relative), for fused-op outputs that are not bitwise
+ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10, torch.float32: 2.0**-23}
+
+
+def assert_close_ulps(name: str, got: torch.Tensor, want: torch.Tensor, ulps: float, ctx: str = "") -> None:
+    """|got - want| <= ulps * ULP[dtype] * |want| + ulps * tiny: dtype-paired tolerance (the absolute
+    floor covers subnormal results, which flush differently), reporting the first bad element."""
+    assert got.shape == want.shape and got.dtype == want.dtype, f"{name}: {got.dtype}{tuple(got.shape)} {ctx}"
+    a, b = got.detach().cpu().double(), want.detach().cpu().double()
+    tol = ulps * ULP[got.dtype] * b.abs() + ulps * torch.finfo(got.dtype).tiny
+    err = (a - b).abs()
+    bad = err > tol
+    if bool(bad.any()):
+        i = tuple(int(v) for v in torch.nonzero(bad)[0])
+        raise AssertionError(
+            f"{name}: {int(bad.sum())}/{a.numel()} beyond {ulps} ulp {ctx}; "
+            f"first at {i}: got {a[i]:.9g} want {b[i]:.9g}"
         )
 
 

@@ -1,0 +1,400 @@
+"""Fused RMSNorm + 1x128 quantization (forward) and the RMSNorm backward.
+
+Forward numerics are HF ``Qwen3RMSNorm`` / ``LlamaRMSNorm``::
+
+    var  = mean(x_f32 ** 2, -1)                 # fp32
+    rstd = rsqrt(var + eps)                     # fp32, returned [M] for the backward
+    y    = weight * (x_f32 * rstd).to(x.dtype)  # computed in fp32, stored in x.dtype
+    q, s = jetrl.quant.quantize_1x128(y)        # the next FP8 GEMM's input
+
+One read of x and weight; y, q, s, rstd written once. The quantization is of the *stored* y (its
+fp32 upcast), so ``(q, s)`` are bit-equal to ``quantize_1x128(y)`` of the kernel's own y. y itself
+matches the eager HF module up to the fp32 reduction order of the variance and the rsqrt
+implementation (at most a last-bit difference in x.dtype for a few elements); tests pin y with
+dtype-paired tolerances and (q, s) bitwise.
+
+Backward (fp32 math, outputs in the input dtypes), with ``xhat = x * rstd`` and ``g = dy * weight``::
+
+    dx      = rstd * (g - xhat * mean(g * xhat, -1))
+    dweight = sum_rows(dy * xhat.to(x.dtype))    # the rounded normalized value the forward multiplied
+
+dweight is reduced in two deterministic stages: each program accumulates its rows in fp32 registers
+and writes one partial row; the partials are summed in fp32 by torch.
+
+Kernels hold whole rows in registers (``BLOCK_K = next_pow2(K)``; K = 14336 pads to 16384 lanes),
+several rows per program when K is small, so the tile can be viewed as ``[rows, K/128, 128]`` for
+the per-group amax.
+
+`rmsnorm_quant` is registered with autograd: the gradient of y flows to x and weight through
+`rmsnorm_backward`; q, s and rstd are not differentiable.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from jetrl import quant
+from jetrl.recipe import BLOCK, DEFAULT_EPS, E4M3_MAX
+
+from ._runtime import SCALE_LAYOUTS, check_matrix, groups, nonfinite_flag, scale_buffer, to_scale_layout
+
+__all__ = [
+    "rmsnorm_quant",
+    "torch_rmsnorm_quant",
+    "launch_rmsnorm_quant",
+    "rmsnorm_backward",
+    "torch_rmsnorm_backward",
+    "launch_rmsnorm_backward",
+]
+
+OP = "jetrl::rmsnorm_quant"
+OP_BWD = "jetrl::rmsnorm_backward"
+
+
+@triton.jit
+def _rmsnorm_quant_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    q_ptr,
+    s_ptr,
+    rstd_ptr,
+    pre_ptr,
+    flag_ptr,
+    flag_slot,
+    M,
+    K,
+    stride_xm,
+    stride_sm,
+    stride_sg,
+    rms_eps,
+    EPS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
+    STORE_PRECAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask = mask_m[:, None] & (offs_k[None, :] < K)
+    rows = offs_m.to(tl.int64)[:, None]
+
+    # load whole rows and the weight; padding lanes read 0
+    x_raw = tl.load(x_ptr + rows * stride_xm + offs_k[None, :], mask=mask, other=0.0)
+    x = x_raw.to(tl.float32)
+    w = tl.load(w_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+
+    # RMS statistics in fp32: var = sum(x^2) / K, rstd = rsqrt(var + eps)
+    var = tl.math.div_rn(tl.sum(x * x, axis=1), tl.full([BLOCK_M], K, tl.float32))
+    rstd = tl.math.rsqrt(var + rms_eps)
+    tl.store(rstd_ptr + offs_m, rstd, mask=mask_m)
+
+    # y = weight * (x * rstd).to(x.dtype), computed in fp32 and stored in x.dtype
+    n = (x * rstd[:, None]).to(x_raw.dtype).to(tl.float32)
+    y = (w[None, :] * n).to(x_raw.dtype)
+    tl.store(y_ptr + rows * K + offs_k[None, :], y, mask=mask)
+    yf = y.to(tl.float32)
+
+    # non-finite detection on the input and on what gets quantized
+    ok = (tl.abs(x) < float("inf")) & (tl.abs(yf) < float("inf"))
+    n_bad = tl.sum(tl.sum(tl.where(ok, 0, 1), axis=1), axis=0)
+    tl.store(flag_ptr + flag_slot, 1, mask=n_bad > 0)
+
+    # 1x128 quantization of the stored y: per-group amax over a [BLOCK_M, G, 128] view
+    y3 = tl.reshape(yf, [BLOCK_M, BLOCK_K // GROUP, GROUP])
+    amax = tl.max(tl.abs(y3), axis=2)
+    s = tl.math.div_rn(tl.maximum(amax, EPS), tl.full([BLOCK_M, BLOCK_K // GROUP], FP8_MAX, tl.float32))
+    qv = tl.math.div_rn(y3, s[:, :, None])
+    qv = tl.minimum(tl.maximum(qv, -FP8_MAX), FP8_MAX)
+    qv = tl.reshape(qv, [BLOCK_M, BLOCK_K])
+    tl.store(q_ptr + rows * K + offs_k[None, :], qv.to(tl.float8e4nv), mask=mask)
+    offs_g = tl.arange(0, BLOCK_K // GROUP)
+    s_mask = mask_m[:, None] & (offs_g[None, :] * GROUP < K)
+    tl.store(s_ptr + offs_m[:, None] * stride_sm + offs_g[None, :] * stride_sg, s, mask=s_mask)
+    if STORE_PRECAST:
+        tl.store(pre_ptr + rows * K + offs_k[None, :], qv, mask=mask)
+
+
+@triton.jit
+def _rmsnorm_backward_kernel(
+    dy_ptr,
+    x_ptr,
+    w_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dw_part_ptr,
+    M,
+    K,
+    stride_dym,
+    stride_xm,
+    ROWS_PER_PROGRAM,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_k = offs_k < K
+    w = tl.load(w_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    row_start = pid * ROWS_PER_PROGRAM
+    row_end = tl.minimum(row_start + ROWS_PER_PROGRAM, M)
+    row_start64 = row_start.to(tl.int64)
+    for i in range(0, row_end - row_start):
+        r = row_start64 + i
+        # load one row of dy and x, and the saved rstd
+        dy = tl.load(dy_ptr + r * stride_dym + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        x_raw = tl.load(x_ptr + r * stride_xm + offs_k, mask=mask_k, other=0.0)
+        x = x_raw.to(tl.float32)
+        rstd = tl.load(rstd_ptr + r)
+        # dx = rstd * (g - xhat * mean(g * xhat)), g = dy * w
+        xhat = x * rstd
+        g = dy * w
+        c = tl.math.div_rn(tl.sum(g * xhat, axis=0), tl.full([], K, tl.float32))
+        dx = rstd * (g - xhat * c)
+        tl.store(dx_ptr + r * K + offs_k, dx.to(x_raw.dtype), mask=mask_k)
+        # dweight partial: dy * (x * rstd).to(x.dtype)
+        dw_acc += dy * xhat.to(x_raw.dtype).to(tl.float32)
+    tl.store(dw_part_ptr + pid.to(tl.int64) * K + offs_k, dw_acc, mask=mask_k)
+
+
+def _fwd_config(k: int) -> tuple[int, int, int]:
+    block_k = max(BLOCK, triton.next_power_of_2(k))
+    block_m = max(1, 4096 // block_k)
+    num_warps = 16 if block_k >= 8192 else 8 if block_k * block_m >= 4096 else 4
+    return block_m, block_k, num_warps
+
+
+def launch_rmsnorm_quant(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    scale_layout: str = "row",
+    name: str = "x",
+    precast: torch.Tensor | None = None,
+    **config,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run the fused forward kernel.
+
+    Input:  x ``[M, K]`` float32/bfloat16/float16, last-dim stride 1; weight ``[K]`` contiguous, any float dtype.
+    Output: y ``[M, K]`` x.dtype contiguous; q float8_e4m3fn ``[M, K]`` contiguous; rstd fp32 ``[M]``.
+    scales: fp32 ``[M, ceil(K/128)]``, strides ``(G, 1)`` (``"row"``) or ``(1, align(M, 4))`` (``"deepgemm"``).
+    ``precast`` (tests only): fp32 ``[M, K]`` buffer receiving the clamped ``y / s`` before the cast.
+    """
+    check_matrix(x, name, OP)
+    _check_weight(weight, x, name)
+    assert scale_layout in SCALE_LAYOUTS, f"{OP}: scale_layout={scale_layout!r}, choose one of {SCALE_LAYOUTS}"
+    m, k = x.shape
+    dev = x.device
+    y = torch.empty((m, k), dtype=x.dtype, device=dev)
+    q = torch.empty((m, k), dtype=quant.FP8_DTYPE, device=dev)
+    s = scale_buffer(m, groups(k), scale_layout, dev)
+    rstd = torch.empty((m,), dtype=torch.float32, device=dev)
+    if precast is not None:
+        assert precast.shape == (m, k) and precast.dtype == torch.float32 and precast.is_contiguous(), (
+            f"{OP}: precast must be a contiguous float32 [{m}, {k}] buffer"
+        )
+    if x.numel() == 0:
+        return y, q, s, rstd
+    block_m, block_k, num_warps = _fwd_config(k)
+    block_m = config.get("block_m", block_m)
+    num_warps = config.get("num_warps", num_warps)
+    flag, slot = nonfinite_flag(OP, name, dev)
+    _rmsnorm_quant_kernel[(triton.cdiv(m, block_m),)](
+        x,
+        weight,
+        y,
+        q,
+        s,
+        rstd,
+        precast if precast is not None else q,
+        flag,
+        slot,
+        m,
+        k,
+        x.stride(0),
+        s.stride(0),
+        s.stride(1),
+        float(eps),
+        EPS=DEFAULT_EPS,
+        FP8_MAX=E4M3_MAX,
+        BLOCK_M=block_m,
+        BLOCK_K=block_k,
+        GROUP=BLOCK,
+        STORE_PRECAST=precast is not None,
+        num_warps=num_warps,
+    )
+    return y, q, s, rstd
+
+
+def launch_rmsnorm_backward(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, num_programs: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the backward kernel.
+
+    Input:  dy, x ``[M, K]`` (same dtype, last-dim stride 1); weight ``[K]`` contiguous; rstd fp32 ``[M]`` contiguous.
+    Output: dx ``[M, K]`` x.dtype contiguous; dweight ``[K]`` weight.dtype (fp32 partials summed in fp32).
+    """
+    _check_backward(dy, x, weight, rstd)
+    m, k = x.shape
+    dev = x.device
+    dx = torch.empty((m, k), dtype=x.dtype, device=dev)
+    if x.numel() == 0:
+        return dx, torch.zeros_like(weight)
+    if num_programs is None:
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if x.is_cuda else 4
+        num_programs = 4 * sms
+    rows_per = triton.cdiv(m, min(num_programs, m))
+    n_prog = triton.cdiv(m, rows_per)
+    block_k = max(BLOCK, triton.next_power_of_2(k))
+    part = torch.empty((n_prog, k), dtype=torch.float32, device=dev)
+    _rmsnorm_backward_kernel[(n_prog,)](
+        dy,
+        x,
+        weight,
+        rstd,
+        dx,
+        part,
+        m,
+        k,
+        dy.stride(0),
+        x.stride(0),
+        rows_per,
+        BLOCK_K=block_k,
+        num_warps=16 if block_k >= 8192 else 8,
+    )
+    return dx, part.sum(0).to(weight.dtype)
+
+
+def _check_weight(weight: torch.Tensor, x: torch.Tensor, name: str) -> None:
+    k = x.shape[1]
+    if weight.dim() != 1 or weight.shape[0] != k or not weight.is_floating_point():
+        raise ValueError(
+            f"{OP}: weight for {name} must be a float [{k}] vector, got {weight.dtype} {tuple(weight.shape)}"
+        )
+    if weight.device != x.device:
+        raise ValueError(f"{OP}: weight on {weight.device} but {name} on {x.device}")
+    if x.is_cuda and weight.stride(0) != 1:
+        raise ValueError(f"{OP}: weight for {name} must be contiguous")
+
+
+def _check_backward(dy, x, weight, rstd) -> None:
+    check_matrix(x, "x", OP_BWD)
+    check_matrix(dy, "dy", OP_BWD)
+    if dy.shape != x.shape or dy.dtype != x.dtype:
+        raise ValueError(f"{OP_BWD}: dy {dy.dtype} {tuple(dy.shape)} must match x {x.dtype} {tuple(x.shape)}")
+    _check_weight(weight, x, "x")
+    if rstd.dtype != torch.float32 or tuple(rstd.shape) != (x.shape[0],) or not rstd.is_contiguous():
+        raise ValueError(
+            f"{OP_BWD}: rstd must be contiguous float32 [{x.shape[0]}], got {rstd.dtype} {tuple(rstd.shape)}"
+        )
+
+
+def torch_rmsnorm_quant(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, scale_layout: str = "row", name: str = "x"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference: eager HF RMSNorm numerics, then `jetrl.quant.quantize_1x128` of y (raises
+    NonFiniteError at once, on x or on y). Same signature and layouts as `rmsnorm_quant`."""
+    check_matrix(x, name, OP, inner_contiguous=False)
+    _check_weight(weight, x, name)
+    if scale_layout not in SCALE_LAYOUTS:
+        raise ValueError(f"{OP}: scale_layout={scale_layout!r}, choose one of {SCALE_LAYOUTS}")
+    quant.check_finite(x, name)
+    xf = x.to(torch.float32)
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = (weight * (xf * rstd).to(x.dtype)).to(x.dtype)
+    q, s = quant.quantize_1x128(y, name=f"{name} (rmsnorm output)")
+    return y, q, to_scale_layout(s, scale_layout), rstd.squeeze(-1)
+
+
+def torch_rmsnorm_backward(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference backward in fp32 torch (the module docstring's formulas); dx in x.dtype, dweight in weight.dtype."""
+    _check_backward(dy, x, weight, rstd)
+    xhat = x.to(torch.float32) * rstd[:, None]
+    g = dy.to(torch.float32) * weight.to(torch.float32)
+    dx = rstd[:, None] * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+    dw = (dy.to(torch.float32) * xhat.to(x.dtype).to(torch.float32)).sum(0)
+    return dx.to(x.dtype), dw.to(weight.dtype)
+
+
+@torch.library.custom_op(OP, mutates_args=(), device_types="cpu")
+def _rmsnorm_quant_op(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, scale_layout: str, name: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch_rmsnorm_quant(x, weight, eps, scale_layout=scale_layout, name=name)
+
+
+@_rmsnorm_quant_op.register_kernel("cuda")
+def _(x, weight, eps, scale_layout, name):
+    return launch_rmsnorm_quant(x, weight, eps, scale_layout, name)
+
+
+@_rmsnorm_quant_op.register_fake
+def _(x, weight, eps, scale_layout, name):
+    m, k = x.shape
+    return (
+        torch.empty_like(x, memory_format=torch.contiguous_format),
+        x.new_empty((m, k), dtype=quant.FP8_DTYPE),
+        scale_buffer(m, groups(k), scale_layout, x.device),
+        x.new_empty((m,), dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op(OP_BWD, mutates_args=(), device_types="cpu")
+def _rmsnorm_backward_op(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch_rmsnorm_backward(dy, x, weight, rstd)
+
+
+@_rmsnorm_backward_op.register_kernel("cuda")
+def _(dy, x, weight, rstd):
+    return launch_rmsnorm_backward(dy, x, weight, rstd)
+
+
+@_rmsnorm_backward_op.register_fake
+def _(dy, x, weight, rstd):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(weight)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _, _, _ = inputs
+    ctx.save_for_backward(x, weight, output[3])
+
+
+def _backward(ctx, dy, dq, ds, drstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = _rmsnorm_backward_op(dy.contiguous(), x, weight, rstd)
+    return dx, dw, None, None, None
+
+
+_rmsnorm_quant_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def rmsnorm_quant(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, scale_layout: str = "row", name: str = "x"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused RMSNorm (HF numerics) + 1x128 quantization of its output (the `jetrl::rmsnorm_quant` op).
+
+    Input:  x ``[M, K]`` float32/bfloat16/float16 (unit stride along K on CUDA); weight ``[K]``; eps float.
+    Output: y ``[M, K]`` x.dtype; q float8_e4m3fn ``[M, K]`` = quantize_1x128(y) bytes; rstd fp32 ``[M]``.
+    scales: fp32 ``[M, ceil(K/128)]``, ``"row"`` (default) or ``"deepgemm"`` strides ``(1, align(M, 4))``.
+    Differentiable in y (to x and weight, via `rmsnorm_backward`).
+    """
+    check_matrix(x, name, OP, inner_contiguous=x.is_cuda)
+    _check_weight(weight, x, name)
+    if scale_layout not in SCALE_LAYOUTS:
+        raise ValueError(f"{OP}: scale_layout={scale_layout!r}, choose one of {SCALE_LAYOUTS}")
+    return _rmsnorm_quant_op(x, weight, float(eps), scale_layout, name)
+
+
+def rmsnorm_backward(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm backward (the `jetrl::rmsnorm_backward` op): ``(dx [M, K] x.dtype, dweight [K] weight.dtype)``."""
+    return _rmsnorm_backward_op(dy, x, weight, rstd)
