@@ -1,0 +1,78 @@
+"""`jetrl lint`: the frozen flag set, exit codes 0 / 1 / 2, table and JSON output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jetrl.cli import main as jetrl_main
+from jetrl.lint.cli import build_parser, main
+
+from .conftest import BLOCK_FP8_CONFIG, COMPATIBLE_ENV
+
+FROZEN_FLAGS = {
+    "--model",
+    "--recipe",
+    "--rollout",
+    "--numeric",
+    "--json",
+    "--backend",
+    "--served-config",
+    "--quantization",
+    "--kv-cache-dtype",
+    "--tensor-parallel-size",
+    "--quant-op",
+    "-h",
+    "--help",
+}
+
+
+def test_flag_set_is_frozen():
+    """Adding or renaming a flag is an interface change: update this set and the docs together."""
+    flags = {s for a in build_parser()._actions for s in a.option_strings}
+    assert flags == FROZEN_FLAGS
+
+
+@pytest.fixture
+def served(tmp_path):
+    """A served-checkpoint config.json: stock vLLM block FP8 (128x128, no scale_fmt)."""
+    p = tmp_path / "served"
+    p.mkdir()
+    (p / "config.json").write_text(json.dumps({"quantization_config": BLOCK_FP8_CONFIG}))
+    return p
+
+
+def _clear_vllm_env(monkeypatch):
+    for k in ("VLLM_USE_DEEP_GEMM", "VLLM_USE_DEEP_GEMM_E8M0", "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER"):
+        monkeypatch.delenv(k, raising=False)
+
+
+def test_exit_0_on_a_consistent_stock_setup(tiny_ckpt, served, monkeypatch, capsys):
+    _clear_vllm_env(monkeypatch)
+    for k, v in COMPATIBLE_ENV.items():
+        monkeypatch.setenv(k, v)
+    argv = ["--model", str(tiny_ckpt), "--recipe", "jetrl-unified", "--rollout", "stock-vllm"]
+    assert main([*argv, "--served-config", str(served)]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("CONSISTENT: 0 error(s), 0 warning(s)")
+
+
+def test_exit_1_with_vllm_default_env_and_json(tiny_ckpt, served, monkeypatch, capsys):
+    _clear_vllm_env(monkeypatch)
+    argv = ["lint", "--model", str(tiny_ckpt), "--recipe", "jetrl-unified", "--rollout", "stock-vllm"]
+    assert jetrl_main([*argv, "--served-config", str(served), "--json"]) == 1  # through the jetrl dispatcher
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is False and report["n_errors"] == 3
+    fixes = {f["fix"].split(" before")[0] for f in report["findings"]}
+    assert fixes == {"export VLLM_USE_DEEP_GEMM_E8M0=0", "export VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER=0"}
+
+
+def test_exit_2_on_usage_and_environment_errors(tmp_path, tiny_ckpt, capsys):
+    assert main([]) == 2  # --model and --recipe are required
+    assert main(["--model", str(tiny_ckpt), "--recipe", "no-such-recipe"]) == 2
+    assert main(["--model", str(tmp_path), "--recipe", "jetrl-unified", "--rollout", "stock-vllm"]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    argv = ["--model", str(tiny_ckpt), "--recipe", "jetrl-unified", "--rollout", "stock-vllm", "--numeric"]
+    assert main(argv) == 2
+    assert "numeric mode needs a live engine" in capsys.readouterr().err
