@@ -86,7 +86,11 @@ def _quantize_128x128_kernel(
 
 
 def launch_quantize_128x128(
-    w: torch.Tensor, with_transpose: bool = False, name: str = "w", precast: torch.Tensor | None = None
+    w: torch.Tensor,
+    with_transpose: bool = False,
+    name: str = "w",
+    precast: torch.Tensor | None = None,
+    num_warps: int = 8,
 ) -> tuple[torch.Tensor, ...]:
     """Run the Triton kernel.
 
@@ -129,7 +133,7 @@ def launch_quantize_128x128(
             BLOCK_K=BLOCK,
             WITH_T=with_transpose,
             STORE_PRECAST=precast is not None,
-            num_warps=8,
+            num_warps=num_warps,
         )
     return (q, s, q_t, s_t) if with_transpose else (q, s)
 

@@ -80,7 +80,12 @@ def _quantize_1x128_kernel(
 
 
 def launch_quantize_1x128(
-    x: torch.Tensor, scale_layout: str = "row", name: str = "x", precast: torch.Tensor | None = None
+    x: torch.Tensor,
+    scale_layout: str = "row",
+    name: str = "x",
+    precast: torch.Tensor | None = None,
+    block_m: int = 32,
+    num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the Triton kernel.
 
@@ -103,7 +108,6 @@ def launch_quantize_1x128(
     if x.numel() == 0:
         return q, s
     flag, slot = nonfinite_flag(OP, name, x.device)
-    block_m = 32
     grid = (triton.cdiv(m, block_m), g)
     _quantize_1x128_kernel[grid](
         x,
@@ -123,7 +127,7 @@ def launch_quantize_1x128(
         BLOCK_M=block_m,
         GROUP=BLOCK,
         STORE_PRECAST=precast is not None,
-        num_warps=4,
+        num_warps=num_warps,
     )
     return q, s
 

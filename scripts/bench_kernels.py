@@ -1,0 +1,249 @@
+"""Effective bandwidth of the jetrl FP8 Triton kernels on a CUDA GPU, beside a device copy and eager torch.
+
+For M in {4096, 16384} and K in {4096, 14336} (bf16 inputs) it times each kernel with
+``triton.testing.do_bench`` (median), converts to effective GB/s = (bytes read + bytes written) /
+time, and prints a table with the device-to-device copy of an ``[M, K]`` bf16 tensor measured in the
+same run, the eager torch reference (`jetrl.kernels.torch_<op>`) and the goals of issue 3:
+quantize kernels and rmsnorm+quant >= 80% of copy (3.4 TB/s on an H200), transpose-quantize >=
+2.5 TB/s, swiglu+quant >= 75% of copy. ``--sweep`` also times a few launch configs per kernel at the
+largest shape (to pick defaults). Writes ``kernels-<gpu>.json`` (GPU name, torch/triton versions,
+date, every row) to ``--out`` (default scripts/results/).
+
+    python3 scripts/bench_kernels.py [--out DIR] [--sweep] [--no-eager]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+
+import torch
+import triton
+from triton.testing import do_bench
+
+import jetrl.kernels as K
+from jetrl.kernels import quantize_1x128 as q1
+from jetrl.kernels import quantize_128x128 as q128
+from jetrl.kernels import rmsnorm_quant as rq
+from jetrl.kernels import swiglu_quant as sq
+from jetrl.kernels import transpose_quantize as tq
+from jetrl.quant import ceil_div
+
+MS = (4096, 16384)
+KS = (4096, 14336)
+
+
+def _gbps(nbytes: int, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def _time(fn) -> float:
+    return do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def _cases(m: int, k: int):
+    """(kernel name, goal kind, bytes moved, triton fn, eager fn) for one shape."""
+    dev = "cuda"
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    gu = torch.randn(m, 2 * k, device=dev, dtype=torch.bfloat16)
+    gate, up = gu[:, :k], gu[:, k:]
+    w = (1 + 0.1 * torch.randn(k, device=dev)).to(torch.bfloat16)
+    g, gm = ceil_div(k, 128), ceil_div(m, 128)
+    xq, xs = K.quantize_1x128(x)
+    _, _, _, rstd = K.rmsnorm_quant(x, w, 1e-6)
+    dy = torch.randn_like(x)
+    mk = m * k
+    return [
+        (
+            "quantize_1x128[row]",
+            "quant",
+            2 * mk + mk + 4 * m * g,
+            lambda: q1.launch_quantize_1x128(x, "row"),
+            lambda: K.torch_quantize_1x128(x),
+        ),
+        (
+            "quantize_1x128[deepgemm]",
+            "quant",
+            2 * mk + mk + 4 * m * g,
+            lambda: q1.launch_quantize_1x128(x, "deepgemm"),
+            lambda: K.torch_quantize_1x128(x, scale_layout="deepgemm"),
+        ),
+        (
+            "quantize_128x128",
+            "quant",
+            2 * mk + mk + 4 * gm * g,
+            lambda: q128.launch_quantize_128x128(x),
+            lambda: K.torch_quantize_128x128(x),
+        ),
+        (
+            "quantize_128x128[+T]",
+            "quant",
+            2 * mk + 2 * mk + 8 * gm * g,
+            lambda: q128.launch_quantize_128x128(x, True),
+            lambda: K.torch_quantize_128x128(x, with_transpose=True),
+        ),
+        (
+            "transpose_quantize",
+            "transpose",
+            2 * mk + mk + 4 * k * gm,
+            lambda: tq.launch_transpose_quantize(x),
+            lambda: K.torch_transpose_quantize(x),
+        ),
+        (
+            "transpose_requantize",
+            "transpose",
+            mk + 4 * m * g + mk + 4 * k * gm,
+            lambda: tq.launch_transpose_requantize(xq, xs),
+            lambda: K.torch_transpose_requantize(xq, xs),
+        ),
+        (
+            "rmsnorm_quant",
+            "quant",
+            2 * mk + 2 * k + 2 * mk + mk + 4 * m * g + 4 * m,
+            lambda: rq.launch_rmsnorm_quant(x, w, 1e-6),
+            lambda: K.torch_rmsnorm_quant(x, w, 1e-6),
+        ),
+        (
+            "rmsnorm_backward",
+            "none",
+            2 * mk * 2 + 2 * k + 4 * m + 2 * mk,
+            lambda: rq.launch_rmsnorm_backward(dy, x, w, rstd),
+            lambda: K.torch_rmsnorm_backward(dy, x, w, rstd),
+        ),
+        (
+            "swiglu_quant",
+            "swiglu",
+            4 * mk + 2 * mk + mk + 4 * m * g,
+            lambda: sq.launch_swiglu_quant(gate, up),
+            lambda: K.torch_swiglu_quant(gate, up),
+        ),
+        (
+            "swiglu_backward",
+            "none",
+            6 * mk + 4 * mk,
+            lambda: sq.launch_swiglu_backward(dy, gate, up),
+            lambda: K.torch_swiglu_backward(dy, gate, up),
+        ),
+    ]
+
+
+def _goal(kind: str, copy_gbps: float) -> tuple[float | None, str]:
+    if kind == "quant":
+        return max(0.8 * copy_gbps, 3400.0), ">=80% copy & 3.4TB/s"
+    if kind == "transpose":
+        return 2500.0, ">=2.5TB/s"
+    if kind == "swiglu":
+        return 0.75 * copy_gbps, ">=75% copy"
+    return None, "-"
+
+
+SWEEPS = {
+    "quantize_1x128[row]": [
+        dict(block_m=bm, num_warps=nw) for bm, nw in ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8))
+    ],
+    "transpose_quantize": [dict(block_k=bk, num_warps=nw) for bk, nw in ((32, 4), (64, 4), (64, 8), (128, 8))],
+    "rmsnorm_quant": [dict(block_m=bm, num_warps=nw) for bm, nw in ((1, 8), (1, 16), (2, 16), (4, 16))],
+    "swiglu_quant": [dict(block_m=bm, num_warps=nw) for bm, nw in ((16, 4), (32, 4), (32, 8), (64, 8))],
+    "quantize_128x128[+T]": [dict(num_warps=nw) for nw in (4, 8, 16)],
+}
+
+
+def _sweep(m: int, k: int) -> list[dict]:
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    gu = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+    mk, g, gm = m * k, ceil_div(k, 128), ceil_div(m, 128)
+    fns = {
+        "quantize_1x128[row]": (3 * mk + 4 * m * g, lambda c: q1.launch_quantize_1x128(x, "row", **c)),
+        "transpose_quantize": (3 * mk + 4 * k * gm, lambda c: tq.launch_transpose_quantize(x, **c)),
+        "rmsnorm_quant": (5 * mk + 4 * m * g, lambda c: rq.launch_rmsnorm_quant(x, w, 1e-6, **c)),
+        "swiglu_quant": (7 * mk + 4 * m * g, lambda c: sq.launch_swiglu_quant(gu[:, :k], gu[:, k:], **c)),
+        "quantize_128x128[+T]": (4 * mk, lambda c: q128.launch_quantize_128x128(x, True, **c)),
+    }
+    rows = []
+    for name, configs in SWEEPS.items():
+        nbytes, fn = fns[name]
+        for c in configs:
+            ms = _time(lambda fn=fn, c=c: fn(c))
+            rows.append({"kernel": name, "M": m, "K": k, "config": c, "gbps": _gbps(nbytes, ms)})
+            print(f"sweep {name:24s} {m:6d} {k:6d} {json.dumps(c):36s} {_gbps(nbytes, ms):8.0f} GB/s")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--sweep", action="store_true", help="also time a few launch configs at the largest shape")
+    ap.add_argument("--no-eager", action="store_true", help="skip the eager torch references")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_kernels.py needs a CUDA GPU (the Triton kernels are what is measured)")
+    gpu = torch.cuda.get_device_name()
+    rows = []
+    for m in MS:
+        for k in KS:
+            src = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            dst = torch.empty_like(src)
+            copy_gbps = _gbps(4 * m * k, _time(lambda src=src, dst=dst: dst.copy_(src)))
+            rows.append({"kernel": "copy (bf16 d2d)", "M": m, "K": k, "gbps": copy_gbps, "copy_gbps": copy_gbps})
+            del src, dst
+            for name, kind, nbytes, fn, eager in _cases(m, k):
+                gbps = _gbps(nbytes, _time(fn))
+                eager_gbps = None if args.no_eager else _gbps(nbytes, _time(eager))
+                goal, goal_txt = _goal(kind, copy_gbps)
+                rows.append(
+                    {
+                        "kernel": name,
+                        "M": m,
+                        "K": k,
+                        "bytes": nbytes,
+                        "gbps": gbps,
+                        "copy_gbps": copy_gbps,
+                        "pct_copy": 100.0 * gbps / copy_gbps,
+                        "eager_gbps": eager_gbps,
+                        "goal": goal_txt,
+                        "goal_gbps": goal,
+                        "meets_goal": None if goal is None else gbps >= goal,
+                    }
+                )
+            torch.cuda.empty_cache()
+    K.check_nonfinite()
+    sweep = _sweep(max(MS), max(KS)) if args.sweep else []
+
+    print(f"\n{gpu} | torch {torch.__version__} | triton {triton.__version__}")
+    hdr = f"{'kernel':26s} {'M':>6s} {'K':>6s} {'GB/s':>8s} {'%copy':>6s} {'copy':>7s} {'eager':>7s} {'goal':>22s} ok"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        eager = f"{r['eager_gbps']:7.0f}" if r.get("eager_gbps") else "      -"
+        ok = {True: "yes", False: "NO", None: ""}[r.get("meets_goal")]
+        print(
+            f"{r['kernel']:26s} {r['M']:6d} {r['K']:6d} {r['gbps']:8.0f} {r.get('pct_copy', 100.0):6.1f} "
+            f"{r['copy_gbps']:7.0f} {eager} {r.get('goal', '-'):>22s} {ok}"
+        )
+
+    os.makedirs(args.out, exist_ok=True)
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    path = os.path.join(args.out, f"kernels-{slug}.json")
+    with open(path, "w") as f:
+        json.dump(
+            {
+                "gpu": gpu,
+                "torch": torch.__version__,
+                "triton": triton.__version__,
+                "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                "timing": "do_bench median (warmup 10 ms, rep 60 ms); GB/s = (bytes read + written) / time",
+                "rows": rows,
+                "sweep": sweep,
+            },
+            f,
+            indent=1,
+        )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
