@@ -96,11 +96,12 @@ class ArithmeticTask:
             cands += [_OPS[o](a, b) for a in (lo, hi) for b in (lo, hi)]
         return max(len(str(c)) for c in cands)
 
-    def problems(self, stream: Stream | int, index: int, n: int) -> list[Problem]:
-        """The `n` problems of batch `index` of `stream` (deterministic)."""
-        if n < 0 or index < 0:
-            raise ValueError(f"problems: n={n} and index={index} must be >= 0")
-        rng = np.random.default_rng([self.seed, int(stream), index])
+    def problems(self, stream: Stream | int, index: int, n: int, *, round_: int = 0) -> list[Problem]:
+        """The `n` problems of batch `index` of `stream` (deterministic). `round_` > 0 draws the extra
+        batches of DAPO dynamic sampling for the same step (round 0 is the step's own batch)."""
+        if n < 0 or index < 0 or round_ < 0:
+            raise ValueError(f"problems: n={n}, index={index} and round_={round_} must be >= 0")
+        rng = np.random.default_rng([self.seed, int(stream), index] + ([round_] if round_ else []))
         a = rng.integers(self.min_operand, self.max_operand + 1, size=n)
         b = rng.integers(self.min_operand, self.max_operand + 1, size=n)
         op = rng.integers(0, len(self.ops), size=n)

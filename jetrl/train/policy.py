@@ -1,0 +1,175 @@
+"""The trainer's side of the policy: token batches, log-probs under the model, and the optimizer.
+
+Batches. A sample is ``prompt_ids + response_ids``; a batch right-pads samples to one length ``L`` and
+scores position ``t`` (predicting token ``t + 1``), so every token-level tensor is ``[N, L - 1]`` with
+``mask[i, t] = 1`` exactly where token ``t + 1`` of sample ``i`` is a response token. The rollout
+engine's per-token log-probs are laid out the same way, so `jetrl.train.algo` compares them directly.
+
+Mixed precision (Megatron style). The model computes in BF16 (the rollout engine's dtype, so that a
+BF16 recipe's trainer and engine see the same weights); `MixedPrecisionAdamW` keeps an fp32 master
+copy of every trainable parameter and its AdamW state, accumulates gradients in fp32 ``main_grad``
+buffers (a `jetrl.linear.JetFP8Linear` writes its FP8 wgrad there directly; every other parameter's
+BF16 gradient is added by a post-accumulate hook), steps the masters and copies them back into the
+BF16 parameters. The copy is an in-place write, so each JetFP8Linear re-quantizes its weight once per
+optimizer step (its cache key is the parameter's version counter).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .algo import entropy_from_logits, token_logprobs
+
+__all__ = ["TokenBatch", "make_batch", "forward_logprobs", "MixedPrecisionAdamW"]
+
+
+@dataclass
+class TokenBatch:
+    input_ids: torch.Tensor
+    """[N, L] int64, right-padded."""
+    attention_mask: torch.Tensor
+    """[N, L] int64, 1 on real tokens."""
+    targets: torch.Tensor
+    """[N, L-1]: ``input_ids[:, 1:]``."""
+    mask: torch.Tensor
+    """[N, L-1] float32, 1 where the target is a response token."""
+    rollout_logp: torch.Tensor
+    """[N, L-1] float32, the engine's log-prob of each response token (0 elsewhere)."""
+    response_len: torch.Tensor
+    """[N] int64."""
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, idx: torch.Tensor | list[int]) -> TokenBatch:
+        idx = torch.as_tensor(idx, dtype=torch.long)
+        return TokenBatch(*(getattr(self, f)[idx] for f in self.__dataclass_fields__))
+
+
+def make_batch(
+    prompts: list[list[int]], responses: list[list[int]], response_logprobs: list[list[float]], pad_id: int
+) -> TokenBatch:
+    """Pack samples (token ids and the engine's per-token log-probs) into a `TokenBatch`."""
+    if not (len(prompts) == len(responses) == len(response_logprobs)) or not prompts:
+        raise ValueError(
+            f"make_batch: {len(prompts)} prompts, {len(responses)} responses, {len(response_logprobs)} logprob lists"
+        )
+    n = len(prompts)
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
+    seq = max(lengths)
+    ids = torch.full((n, seq), pad_id, dtype=torch.long)
+    attn = torch.zeros((n, seq), dtype=torch.long)
+    mask = torch.zeros((n, seq - 1), dtype=torch.float32)
+    rlp = torch.zeros((n, seq - 1), dtype=torch.float32)
+    for i, (p, r, lp) in enumerate(zip(prompts, responses, response_logprobs, strict=True)):
+        if len(lp) != len(r):
+            raise ValueError(f"make_batch: sample {i} has {len(r)} response tokens but {len(lp)} log-probs")
+        if not p:
+            raise ValueError(f"make_batch: sample {i} has an empty prompt")
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
+        attn[i, : len(p) + len(r)] = 1
+        if r:
+            mask[i, len(p) - 1 : len(p) - 1 + len(r)] = 1.0
+            rlp[i, len(p) - 1 : len(p) - 1 + len(r)] = torch.tensor(lp, dtype=torch.float32)
+    return TokenBatch(ids, attn, ids[:, 1:].clone(), mask, rlp, torch.tensor([len(r) for r in responses]))
+
+
+def forward_logprobs(
+    model: nn.Module, batch: TokenBatch, *, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs ``[N, L-1]`` of the batch's targets (and entropies) under ``logits / T``."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    if temperature != 1.0:
+        logits = logits.float() / temperature
+    logp = token_logprobs(logits, batch.targets)
+    ent = entropy_from_logits(logits) if with_entropy else None
+    return logp, ent
+
+
+class MixedPrecisionAdamW:
+    """AdamW on fp32 masters of BF16 model parameters, with fp32 gradient accumulation (see module doc)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 0.0,
+        grad_clip: float = 0.0,
+        lr_warmup_steps: int = 0,
+    ):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("MixedPrecisionAdamW: the model has no trainable parameter")
+        self.masters = [p.detach().to(torch.float32).clone().requires_grad_(True) for p in self.params]
+        self.base_lr, self.grad_clip, self.lr_warmup_steps = lr, grad_clip, lr_warmup_steps
+        self.opt = torch.optim.AdamW(self.masters, lr=lr, betas=betas, weight_decay=weight_decay)
+        self.steps = 0
+        self._hooks = []
+        for p in self.params:
+            p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._accumulate))
+
+    @staticmethod
+    def _accumulate(p: torch.Tensor) -> None:
+        if p.grad is None:  # a JetFP8Linear weight: its wgrad went into main_grad directly
+            return
+        p.main_grad.add_(p.grad.to(torch.float32))
+        p.grad = None
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.main_grad.zero_()
+            p.grad = None
+
+    def lr(self) -> float:
+        if self.lr_warmup_steps and self.steps < self.lr_warmup_steps:
+            return self.base_lr * (self.steps + 1) / self.lr_warmup_steps
+        return self.base_lr
+
+    @torch.no_grad()
+    def step(self) -> float:
+        """One optimizer step from the accumulated gradients; returns the global grad norm (pre-clip).
+        Raises FloatingPointError on a non-finite gradient norm (nothing is updated then)."""
+        for m, p in zip(self.masters, self.params, strict=True):
+            m.grad = p.main_grad
+        norm_t = torch.nn.utils.get_total_norm([m.grad for m in self.masters])
+        norm = float(norm_t)
+        if not math.isfinite(norm):
+            raise FloatingPointError(f"MixedPrecisionAdamW: non-finite gradient norm {norm}; step skipped")
+        if self.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.masters, self.grad_clip, norm_t)
+        for g in self.opt.param_groups:
+            g["lr"] = self.lr()
+        self.opt.step()
+        for m, p in zip(self.masters, self.params, strict=True):
+            p.copy_(m)  # in place: bumps the version counter, so FP8 weight caches re-quantize
+            m.grad = None
+        self.steps += 1
+        self.zero_grad()
+        return norm
+
+    def state_dict(self) -> dict:
+        return {
+            "masters": [m.detach().clone() for m in self.masters],
+            "opt": self.opt.state_dict(),
+            "steps": self.steps,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        masters = state["masters"]
+        if len(masters) != len(self.masters):
+            raise ValueError(f"optimizer state has {len(masters)} masters, the model {len(self.masters)} parameters")
+        for i, (m, src, p) in enumerate(zip(self.masters, masters, self.params, strict=True)):
+            if m.shape != src.shape:
+                raise ValueError(f"optimizer state: master {i} has shape {tuple(src.shape)}, want {tuple(m.shape)}")
+            m.copy_(src)
+            p.copy_(m)
+        self.opt.load_state_dict(state["opt"])
+        self.steps = int(state["steps"])

@@ -1,0 +1,508 @@
+"""The single-process on-policy RL loop: vLLM rollout, FP8 (or BF16) training, byte-verified sync.
+
+One step (``t = 1 .. run.steps``)::
+
+    rollout   prompts of step t (same for every recipe with one seed) -> engine.generate (G samples each)
+              -> rewards (+ DAPO overlong penalty); DAPO dynamic sampling draws more prompts while groups
+              with equal rewards leave the batch short
+    train     one no-grad trainer forward over the batch with the weights the engine sampled from:
+              old log-probs, entropy, and the trainer/rollout mismatch (|dlogp|, IS ratio);
+              group advantages; `algo.epochs` x `algo.mini_batches` optimizer steps of the clipped
+              surrogate (micro-batched, fp32 gradient accumulation)
+    sync      `jetrl.rollout.sync.sync_weights`: the trainer's weights (fp8 bytes + scales under
+              jetrl-unified) copied into the engine and verified by digest
+    log       one metrics.jsonl line; checkpoint every `run.checkpoint_every` steps
+
+The engine and the trainer are in one process (vLLM in-process mode), so the sync is a memory copy.
+Start-up: config and environment checks (`jetrl.train.checks`), the cached supervised warm-up (tiny
+model), `convert_model` with the recipe, the engine, the precision lint (`jetrl.lint`, once; a
+violation refuses to train unless ``lint.allow_violations``), a first sync and a greedy evaluation.
+
+Resume (`Trainer(cfg, resume=True)`) reloads the newest checkpoint (masters, AdamW state, step),
+re-syncs the engine, truncates metrics.jsonl to the checkpoint's step and continues the same stream.
+Prompts and sampling seeds depend only on ``(run.seed, step)``, so the resumed run draws what the
+killed run would have drawn.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import algo
+from .checkpoint import CheckpointError, load_latest, save_checkpoint
+from .checks import check_environment
+from .config import TrainConfig
+from .metrics import MetricsWriter, read_metrics
+from .policy import MixedPrecisionAdamW, TokenBatch, forward_logprobs, make_batch
+from .progress import ProgressBar
+from .task import ArithmeticTask, Problem, Stream, score
+from .warmup import prepare_initial_checkpoint
+
+__all__ = ["Trainer", "TrainError", "RESUMABLE_FIELDS"]
+
+RESUMABLE_FIELDS = {
+    ("run", "steps"),
+    ("run", "progress"),
+    ("run", "checkpoint_every"),
+    ("run", "keep_checkpoints"),
+    ("run", "threads"),
+    ("run", "eval_every"),
+}
+"""Config fields a resumed run may change; any other difference from the saved config is refused."""
+
+
+class TrainError(RuntimeError):
+    """The run cannot start or continue (lint violation, existing run directory, config drift)."""
+
+
+class _Tokens:
+    """The few tokenizer operations the loop needs, for the tiny char tokenizer or an HF tokenizer."""
+
+    def __init__(self, model_path: Path, tiny: bool):
+        if tiny:
+            from jetrl.tiny import CharTokenizer
+
+            self.tok = CharTokenizer()
+            self.pad_id, self.eos_id = self.tok.pad_id, self.tok.eos_id
+            self._encode = lambda s: self.tok.encode(s, add_bos=True)
+            self._decode = lambda ids: self.tok.decode(ids, skip_special=True)
+        else:
+            from transformers import AutoTokenizer
+
+            self.tok = AutoTokenizer.from_pretrained(model_path)
+            self.eos_id = self.tok.eos_token_id
+            self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos_id
+            self._encode = lambda s: list(self.tok(s).input_ids)
+            self._decode = lambda ids: self.tok.decode(ids, skip_special_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._decode(ids)
+
+
+@dataclass
+class _Rollout:
+    problems: list[Problem]
+    samples: list[Any]
+    rewards: torch.Tensor
+    correct: torch.Tensor
+
+
+def _seed_of(seed: int, step: int, round_: int) -> int:
+    return (seed * 1_000_003 + step * 1_009 + round_ * 7_919) % (2**31 - 1)
+
+
+class Trainer:
+    """Owns the model, optimizer, engine and outputs of one run. `run()` trains and returns the summary."""
+
+    def __init__(self, cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, log=print):
+        self.cfg, self.resume, self.log = cfg, resume, log
+        self.run_dir = cfg.run_dir
+        self.recipe = check_environment(cfg)  # before any work: raises ConfigError naming the field
+        self._prepare_run_dir(overwrite)
+        self.task = ArithmeticTask(cfg.run.seed, cfg.task.min_operand, cfg.task.max_operand, cfg.task.ops)
+        self.device = torch.device(cfg.run.device)
+        self.engine = None
+        self.state: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ set-up
+    def _prepare_run_dir(self, overwrite: bool) -> None:
+        cfg_path = self.run_dir / "config.json"
+        if self.resume:
+            if not cfg_path.exists():
+                raise TrainError(f"--resume: {self.run_dir} has no config.json (nothing to resume)")
+            saved = json.loads(cfg_path.read_text())
+            now = self.cfg.to_dict()
+            diffs = [
+                f"{s}.{k}: saved {saved.get(s, {}).get(k)!r}, now {v!r}"
+                for s, sec in now.items()
+                for k, v in sec.items()
+                if (s, k) not in RESUMABLE_FIELDS and saved.get(s, {}).get(k) != v
+            ]
+            if diffs:
+                raise TrainError("--resume: the config differs from the run's saved config:\n  " + "\n  ".join(diffs))
+        elif self.run_dir.exists() and any(self.run_dir.iterdir()):
+            if not overwrite:
+                raise TrainError(
+                    f"run directory {self.run_dir} exists; pass --resume to continue it, --overwrite to replace "
+                    "it, or choose another run.name"
+                )
+            shutil.rmtree(self.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        cfg_path.write_text(json.dumps(self.cfg.to_dict(), indent=2))
+
+    def _setup(self) -> None:
+        cfg = self.cfg
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        t0 = time.perf_counter()
+        self.init_path = prepare_initial_checkpoint(cfg, log=self.log)
+        self.tokens = _Tokens(self.init_path, tiny=cfg.model.path is None)
+        from transformers import AutoModelForCausalLM
+
+        from jetrl.convert import convert_model
+
+        self.model = AutoModelForCausalLM.from_pretrained(self.init_path, dtype=torch.bfloat16).to(self.device)
+        self.model.eval()  # no dropout in the decoders we train; eval() also keeps HF from caching
+        self.conversion = convert_model(self.model, self.recipe, backend=cfg.run.gemm_backend)
+        (self.run_dir / "conversion.json").write_text(json.dumps(self.conversion.to_dict(), indent=2))
+        o = cfg.optim
+        self.opt = MixedPrecisionAdamW(
+            self.model,
+            lr=o.lr,
+            betas=o.betas,
+            weight_decay=o.weight_decay,
+            grad_clip=o.grad_clip,
+            lr_warmup_steps=o.lr_warmup_steps,
+        )
+        self.start_step = 0
+        if self.resume:
+            try:
+                self.start_step, state = load_latest(self.run_dir / "checkpoints")
+            except CheckpointError as e:
+                raise TrainError(f"--resume: {e}") from None
+            self.opt.load_state_dict(state["optimizer"])
+            self.state = state["trainer"]
+            self.log(f"resumed from step {self.start_step}")
+        self.state.setdefault("wall_s_before", 0.0)
+        from jetrl.rollout.adapter import create_engine
+
+        r = cfg.rollout
+        self.engine = create_engine(
+            self.init_path,
+            self.recipe,
+            seed=cfg.run.seed,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            max_model_len=r.max_model_len,
+            backend=cfg.run.gemm_backend,
+            **r.engine_kwargs,
+        )
+        self.log(f"engine: {self.engine.quantization or 'bf16'} started in {self.engine.start_seconds:.1f}s")
+        if cfg.lint.enabled:
+            self._lint()
+        rep = self._sync()
+        self.log(f"initial sync: {rep.bytes / 2**20:.2f} MiB, {rep.n_params} tensors, digests equal")
+        self.setup_s = time.perf_counter() - t0
+
+    def _lint(self) -> None:
+        from jetrl.lint.api import lint
+        from jetrl.lint.builders import probe_ids
+
+        t0 = time.perf_counter()
+        # the probe must fit the engine's context (the lint's default probe is 40 tokens + BOS)
+        probe = probe_ids(self.init_path, length=min(40, self.cfg.rollout.max_model_len - 2))
+        report = lint(
+            self.init_path,
+            self.recipe,
+            rollout="jetrl-vllm",
+            numeric=self.cfg.lint.numeric,
+            engine=self.engine,
+            probe=probe,
+            backend=self.cfg.run.gemm_backend,
+        )
+        (self.run_dir / "lint.json").write_text(report.to_json())
+        self.log(f"lint ({time.perf_counter() - t0:.1f}s): {'consistent' if report.ok else 'VIOLATIONS'}")
+        if not report.ok:
+            if not self.cfg.lint.allow_violations:
+                raise TrainError(
+                    f"the precision lint found violations for recipe {self.recipe.name!r} (rollout is not the "
+                    f"training forward); refusing to train. Set lint.allow_violations=true to train anyway.\n"
+                    + report.table()
+                )
+            self.log(report.table())
+
+    def _sync(self):
+        from jetrl.rollout.sync import sync_weights
+
+        return sync_weights(self.model, self.engine, self.recipe)
+
+    # ------------------------------------------------------------------ rollout
+    def _generate(self, problems: list[Problem], *, n: int, temperature: float, seed: int):
+        prompts = [self.tokens.encode(p.prompt) for p in problems]
+        r = self.cfg.rollout
+        return self.engine.generate(
+            prompts,
+            n=n,
+            temperature=temperature,
+            top_p=r.top_p if temperature > 0 else 1.0,
+            max_tokens=r.max_tokens,
+            seed=seed,
+        )
+
+    def _score(self, problems: list[Problem], samples: list, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        correct = []
+        for i, s in enumerate(samples):
+            ok = s.finish_reason == "stop" and score(self.tokens.decode(s.response_ids), problems[i // n].answer)
+            correct.append(float(ok))
+        correct_t = torch.tensor(correct)
+        rewards = correct_t.clone()
+        a = self.cfg.algo
+        if a.overlong_buffer:
+            lengths = torch.tensor([len(s.response_ids) for s in samples])
+            rewards += algo.overlong_penalty(
+                lengths, max_len=self.cfg.rollout.max_tokens, buffer_len=a.overlong_buffer, factor=a.overlong_penalty
+            )
+        return rewards, correct_t
+
+    def _rollout(self, step: int) -> tuple[_Rollout, dict[str, float], int]:
+        r, a = self.cfg.rollout, self.cfg.algo
+        g = r.samples_per_prompt
+        kept_p, kept_s, kept_r, kept_c = [], [], [], []
+        first: _Rollout | None = None
+        rounds = 0
+        for round_ in range(a.max_gen_batches if a.dynamic_sampling else 1):
+            problems = self.task.problems(Stream.RL, step, r.prompts_per_step, round_=round_)
+            samples = self._generate(
+                problems, n=g, temperature=r.temperature, seed=_seed_of(self.cfg.run.seed, step, round_)
+            )
+            rewards, correct = self._score(problems, samples, g)
+            rounds += 1
+            if first is None:
+                first = _Rollout(problems, samples, rewards, correct)
+            keep = (
+                algo.groups_with_signal(rewards, g)
+                if a.dynamic_sampling
+                else torch.ones(len(problems), dtype=torch.bool)
+            )
+            for i in torch.nonzero(keep).flatten().tolist():
+                kept_p.append(problems[i])
+                kept_s.extend(samples[i * g : (i + 1) * g])
+                kept_r.append(rewards[i * g : (i + 1) * g])
+                kept_c.append(correct[i * g : (i + 1) * g])
+            if len(kept_p) >= r.prompts_per_step:
+                break
+        kept_p = kept_p[: r.prompts_per_step]
+        n = len(kept_p)
+        batch = _Rollout(
+            kept_p,
+            kept_s[: n * g],
+            torch.cat(kept_r[:n]) if n else torch.zeros(0),
+            torch.cat(kept_c[:n]) if n else torch.zeros(0),
+        )
+        lengths = torch.tensor([len(s.response_ids) for s in first.samples], dtype=torch.float32)
+        metrics = {
+            "reward/mean": float(first.rewards.mean()),
+            "reward/accuracy": float(first.correct.mean()),
+            "reward/pass@k": algo.pass_at_k(first.correct, g, g),
+            "reward/k": g,
+            "response/length_mean": float(lengths.mean()),
+            "response/length_max": float(lengths.max()),
+            "response/clip_ratio": sum(s.finish_reason == "length" for s in first.samples) / len(first.samples),
+            "batch/groups_kept": n,
+            "batch/gen_rounds": rounds,
+        }
+        return batch, metrics, n
+
+    # ------------------------------------------------------------------ train
+    def _micro_batches(self, idx: list[int]) -> list[list[int]]:
+        m = self.cfg.algo.micro_batch_size
+        return [idx[i : i + m] for i in range(0, len(idx), m)]
+
+    def _train(self, step: int, ro: _Rollout, n_groups: int) -> dict[str, float]:
+        a, g = self.cfg.algo, self.cfg.rollout.samples_per_prompt
+        temp = self.cfg.rollout.temperature
+        batch: TokenBatch = make_batch(
+            [s.prompt_ids for s in ro.samples],
+            [s.response_ids for s in ro.samples],
+            [s.response_logprobs for s in ro.samples],
+            self.tokens.pad_id,
+        )
+        batch = TokenBatch(*(t.to(self.device) for t in vars(batch).values()))
+        old_lp = torch.zeros_like(batch.rollout_logp)
+        ent = torch.zeros_like(batch.rollout_logp)
+        all_idx = list(range(len(batch)))
+        with torch.no_grad():
+            for mb in self._micro_batches(all_idx):
+                lp, e = forward_logprobs(self.model, batch.select(mb), temperature=temp, with_entropy=True)
+                old_lp[mb], ent[mb] = lp, e
+        out = dict(algo.mismatch_metrics(old_lp, batch.rollout_logp, batch.mask))
+        out["actor/entropy"] = float(algo.masked_mean(ent, batch.mask))
+        anchor = old_lp if a.old_logp == "trainer" else batch.rollout_logp
+        is_w = algo.truncated_is_weights(old_lp, batch.rollout_logp, a.tis_cap) if a.tis_cap else None
+        adv = algo.group_advantages(ro.rewards, g, norm_by_std=a.norm_adv_by_std, eps=a.eps).to(self.device)
+        gen = torch.Generator().manual_seed(_seed_of(self.cfg.run.seed, step, 99))
+        stats = {"clip_frac": 0.0, "approx_kl": 0.0, "ratio_max": 0.0, "pg_loss": 0.0, "tokens": 0.0}
+        norms = []
+        n_mb = min(a.mini_batches, n_groups)
+        for _ in range(a.epochs):
+            order = torch.randperm(n_groups, generator=gen).tolist()
+            for groups in [order[i::n_mb] for i in range(n_mb)]:
+                idx = [gi * g + j for gi in sorted(groups) for j in range(g)]
+                num_tokens = float(batch.mask[idx].sum())
+                for mb in self._micro_batches(idx):
+                    sub = batch.select(mb)
+                    lp, _ = forward_logprobs(self.model, sub, temperature=temp)
+                    loss, st = algo.policy_loss(
+                        lp,
+                        anchor[mb],
+                        adv[mb],
+                        sub.mask,
+                        clip_low=a.clip_low,
+                        clip_high=a.clip_high,
+                        loss_agg=a.loss_agg,
+                        is_weights=None if is_w is None else is_w[mb],
+                        num_tokens=num_tokens,
+                        num_seqs=len(idx),
+                    )
+                    loss.backward()
+                    w = float(sub.mask.sum())
+                    for k in ("clip_frac", "approx_kl"):
+                        stats[k] += st[k] * w
+                    stats["ratio_max"] = max(stats["ratio_max"], st["ratio_max"])
+                    stats["pg_loss"] += float(loss.detach())
+                    stats["tokens"] += w
+                norms.append(self.opt.step())
+        tok = max(stats["tokens"], 1.0)
+        out.update(
+            {
+                "actor/clip_frac": stats["clip_frac"] / tok,
+                "actor/approx_kl": stats["approx_kl"] / tok,
+                "actor/ratio_max": stats["ratio_max"],
+                "actor/pg_loss": stats["pg_loss"] / max(1, len(norms)),
+                "actor/grad_norm": sum(norms) / len(norms),
+                "actor/lr": self.opt.lr(),
+                "actor/optimizer_steps": len(norms),
+                "reward/kept_mean": float(ro.rewards.mean()),
+            }
+        )
+        return out
+
+    # ------------------------------------------------------------------ eval
+    def _evaluate(self) -> float | None:
+        n = self.cfg.run.eval_prompts
+        if n == 0:
+            return None
+        problems = self.task.problems(Stream.EVAL, 0, n)
+        samples = self._generate(problems, n=1, temperature=0.0, seed=_seed_of(self.cfg.run.seed, 0, 0))
+        _, correct = self._score(problems, samples, 1)
+        return float(correct.mean())
+
+    # ------------------------------------------------------------------ loop
+    def _checkpoint(self, step: int) -> None:
+        state = {"step": step, "optimizer": self.opt.state_dict(), "trainer": dict(self.state)}
+        save_checkpoint(self.run_dir / "checkpoints", step, state, keep=self.cfg.run.keep_checkpoints)
+
+    def step(self, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        ro, row, n_groups = self._rollout(step)
+        t1 = time.perf_counter()
+        if n_groups == 0:  # dynamic sampling found no group with signal: nothing to learn this step
+            nan = float("nan")
+            row.update(
+                {
+                    k: nan
+                    for k in (
+                        "mismatch/logp_abs_diff_mean",
+                        "mismatch/logp_abs_diff_max",
+                        "mismatch/is_ratio_mean",
+                        "actor/clip_frac",
+                        "actor/entropy",
+                    )
+                }
+            )
+            row["actor/optimizer_steps"] = 0
+        else:
+            row.update(self._train(step, ro, n_groups))
+        t2 = time.perf_counter()
+        rep = self._sync()
+        t3 = time.perf_counter()
+        row.update(
+            {
+                "step": step,
+                "time/rollout_s": t1 - t0,
+                "time/train_s": t2 - t1,
+                "time/sync_s": t3 - t2,
+                "sync/bytes": rep.bytes,
+                "sync/tensors": rep.n_params,
+                "sync/digests_equal": rep.digests_equal,
+            }
+        )
+        ev = self.cfg.run.eval_every
+        if step == self.cfg.run.steps or (ev and step % ev == 0):
+            row["eval/accuracy"] = self._evaluate()
+        row["time/step_s"] = time.perf_counter() - t0
+        return row
+
+    def run(self) -> dict[str, Any]:
+        t_start = time.perf_counter()
+        self._setup()
+        cfg = self.cfg
+        if self.start_step == 0:
+            self.state["eval_start"] = self._evaluate()
+            self.log(f"step 0: greedy eval accuracy {self.state['eval_start']}")
+        if self.start_step >= cfg.run.steps:
+            self.log(f"nothing to do: checkpoint at step {self.start_step} >= run.steps={cfg.run.steps}")
+        writer = MetricsWriter(self.run_dir / "metrics.jsonl", resume_step=self.start_step if self.resume else None)
+        bar = ProgressBar(cfg.run.steps, start=self.start_step, enabled=cfg.run.progress)
+        try:
+            for step in range(self.start_step + 1, cfg.run.steps + 1):
+                row = self.step(step)
+                writer.write(row)
+                bar.update(
+                    step, reward=row["reward/mean"], dlogp=row["mismatch/logp_abs_diff_mean"], step_s=row["time/step_s"]
+                )
+                ce = cfg.run.checkpoint_every
+                if (ce and step % ce == 0) or step == cfg.run.steps:
+                    self.state["wall_s_before"] += time.perf_counter() - t_start
+                    t_start = time.perf_counter()
+                    self._checkpoint(step)
+        finally:
+            writer.close()
+        self.state["wall_s_before"] += time.perf_counter() - t_start
+        summary = self.summary()
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        from .plots import plot_runs
+
+        plot_runs([self.run_dir], self.run_dir / "plots")
+        return summary
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    def summary(self) -> dict[str, Any]:
+        rows = read_metrics(self.run_dir / "metrics.jsonl")
+        w = max(1, min(5, len(rows) // 4))
+
+        def mean(key: str, rs: list[dict]) -> float | None:
+            vals = [r[key] for r in rs if r.get(key) is not None]
+            return sum(vals) / len(vals) if vals else None
+
+        last_eval = next((r["eval/accuracy"] for r in reversed(rows) if r.get("eval/accuracy") is not None), None)
+        return {
+            "run": self.cfg.run.name,
+            "recipe": self.recipe.name,
+            "algo": self.cfg.algo.name,
+            "seed": self.cfg.run.seed,
+            "steps": len(rows),
+            "reward_start": mean("reward/mean", rows[:w]),
+            "reward_end": mean("reward/mean", rows[-w:]),
+            "reward_window": w,
+            "eval_accuracy_start": self.state.get("eval_start"),
+            "eval_accuracy_end": last_eval,
+            "mismatch_logp_abs_diff_mean": mean("mismatch/logp_abs_diff_mean", rows),
+            "mismatch_logp_abs_diff_max": max(
+                (r["mismatch/logp_abs_diff_max"] for r in rows if r.get("mismatch/logp_abs_diff_max") is not None),
+                default=None,
+            ),
+            "mismatch_is_ratio_mean": mean("mismatch/is_ratio_mean", rows),
+            "time_rollout_s_mean": mean("time/rollout_s", rows),
+            "time_train_s_mean": mean("time/train_s", rows),
+            "time_sync_s_mean": mean("time/sync_s", rows),
+            "sync_bytes": rows[-1]["sync/bytes"] if rows else None,
+            "wall_s": self.state.get("wall_s_before"),
+            "setup_s": getattr(self, "setup_s", None),
+            "converted_linears": len(self.conversion.converted_names()) if hasattr(self, "conversion") else None,
+            "finite": all(math.isfinite(r["reward/mean"]) for r in rows),
+        }
