@@ -27,6 +27,7 @@ __all__ = [
     "load_training_model",
     "TrainingCapture",
     "capture_training",
+    "capture_converted",
     "capture_jetrl_vllm",
 ]
 
@@ -97,6 +98,14 @@ def capture_training(
 
     model = load_training_model(model_path)
     report = convert_model(model, recipe, backend=backend, name_filter=name_filter)
+    return capture_converted(model, report, recipe, probe=probe, keep_tensors=keep_tensors)
+
+
+def capture_converted(
+    model, report, recipe: Recipe, *, probe: list[int], keep_tensors: bool = False
+) -> TrainingCapture:
+    """Capture the forward of an already converted trainer model (`report`: its ConversionReport) on
+    `probe`. For models whose modules were changed after conversion (e.g. fused norm+quantize)."""
     reasons = {e.name: e.reason for e in report.entries}
     ids = torch.tensor([probe], dtype=torch.long)
     with torch.no_grad(), Recorder(model, keep_tensors=keep_tensors) as rec:

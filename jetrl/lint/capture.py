@@ -57,6 +57,8 @@ OP_SPECS: dict[str, QuantSpec] = {
 }
 """The spec each jetrl custom op implements (interface A: each is bit-identical to `jetrl.quant`)."""
 
+_ACT_OPS = ("jetrl::quantize_1x128",)
+"""Ops that quantize a Linear's input inside the Linear (the weight quantizers also run there, once)."""
 _FUSED_OPS = {"jetrl::rmsnorm_quant": OpKind.NORM_QUANT, "jetrl::swiglu_quant": OpKind.ACTIVATION_QUANT}
 
 
@@ -230,6 +232,8 @@ class ModuleInfo:
     weight_digest: str = ""
     declared: dict[str, str] = field(default_factory=dict)
     """Declared-vs-observed discrepancies: tensor -> message."""
+    fused_op: str = ""
+    """A fused op+quantize (``jetrl::rmsnorm_quant``, ``jetrl::swiglu_quant``) observed in this module."""
 
 
 @dataclass
@@ -310,7 +314,8 @@ def _hf_linear_info(path: str, mod: nn.Linear, kind: str, rec: Recorder, convers
     info.w = Precision(FP8, spec, "JetFP8Linear.fp8_weight (bytes identified against jetrl.quant)")
     if declared_w is not None and declared_w != spec:
         info.declared["w"] = f"recipe declares {declared_w.label()} but the trainer's weight bytes are {spec.label()}"
-    ops = [op for (m, op) in rec.op_calls if m == path and op in OP_SPECS]
+    ops = [op for (m, op) in rec.op_calls if m == path and op in _ACT_OPS]
+    # a pre-quantized input (attach_quantized by a fused producer): the fused op's spec labels it
     pre = [op for (m, op) in rec.op_calls if op in _FUSED_OPS]
     if ops:
         info.x = Precision(FP8, OP_SPECS[ops[0]], ops[0])
@@ -339,10 +344,11 @@ def _vllm_linear_info(path: str, mod: nn.Module, kind: str, rec: Recorder) -> Mo
     mode = getattr(mod, "jetrl_mode", None)
     cfg = getattr(qm, "cfg", None)
     info.x_origin = info.w_origin = f"jetrl-vllm:{qm_name}" + (f" (recipe {cfg.recipe})" if cfg is not None else "")
-    if mode is None:
+    if mode not in ("block", "naive"):  # vLLM's UnquantizedLinearMethod or jetrl_bf16
         act = _dtype_name(getattr(mod, "orig_dtype", None) or mod.weight.dtype)
         info.x = info.w = Precision(act, None, f"vllm:{qm_name}")
-        info.x_origin = info.w_origin = f"jetrl-vllm:{qm_name} (kept BF16: keep_bf16 / ignored_layers)"
+        why = "recipe bf16" if mode == "bf16" else "kept BF16: keep_bf16 / ignored_layers"
+        info.x_origin = info.w_origin = f"jetrl-vllm:{qm_name} ({why})"
         info.weight_digest = digest(mod.weight)
         return info
     w_spec = recipe.rollout_weight
@@ -351,7 +357,7 @@ def _vllm_linear_info(path: str, mod: nn.Module, kind: str, rec: Recorder) -> Mo
     if scale is None:
         scale = getattr(mod, "weight_scale", None)
     info.weight_digest = digest(mod.weight) + ":" + (digest(scale) if scale is not None else "")
-    ops = [op for (m, op) in rec.op_calls if m == path and op in OP_SPECS]
+    ops = [op for (m, op) in rec.op_calls if m == path and op in _ACT_OPS]
     if ops:
         info.x = Precision(FP8, OP_SPECS[ops[0]], ops[0])
         if recipe.rollout_activation != info.x.spec:
@@ -400,6 +406,8 @@ def trace_model(
                 info = _hf_linear_info(path, mod, kind, rec, conversion)
         else:
             info = ModuleInfo(path, kind, type(mod).__name__)
+            fused = [op for (m, op) in rec.op_calls if m == path and op in _FUSED_OPS]
+            info.fused_op = fused[0] if fused else ""
             if kind == "attention":
                 info.kv = _kv_precision(mod, act_dtype)
         modules.append(info)
@@ -475,7 +483,12 @@ def graph_from_trace(trace: ModelTrace) -> Graph:
             "attention": OpKind.ATTENTION,
             "activation": OpKind.ACTIVATION,
         }[info.kind]
-        node = g.add_node(kind, path, impl=info.type_name)
+        if info.fused_op:
+            # interface A: the fused ops quantize their output after rounding it to the input dtype
+            kind = _FUSED_OPS[info.fused_op]
+            node = g.add_node(kind, path, impl=info.fused_op, quant_input="bfloat16", out_dtype="bfloat16")
+        else:
+            node = g.add_node(kind, path, impl=info.type_name)
         if kind is OpKind.EMBEDDING:
             g.add_edge(f"param:{path}.weight", node.id, "w", BF16)
         else:

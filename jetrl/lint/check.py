@@ -118,6 +118,8 @@ def _mismatch(kind: OpKind, r_mod: str, t_mod: str, port: str, tedge: Edge, redg
         )
     diffs = spec_differences(tedge, redge)
     detail = ", ".join(f"{f} {getattr(exp.spec, f)} vs {getattr(got.spec, f)}" for f in diffs)
+    effects = "; ".join(_EFFECTS[f] for f in diffs if f in _EFFECTS)
+    detail = f"{detail} ({effects})" if effects else detail
     regime = f" (for {got.when})" if got.when else ""
     producer = f"; produced by {got.producer}" if got.producer else ""
     return Finding(
@@ -127,6 +129,15 @@ def _mismatch(kind: OpKind, r_mod: str, t_mod: str, port: str, tedge: Edge, redg
         fix=_fix_spec(diffs, redge, port, tensor, engine),
         **common,
     )
+
+
+_EFFECTS = {
+    "scale_format": "power-of-two scales change scales and bytes of almost every group",
+    "eps": "differs on all-zero or tiny groups, e.g. padding rows",
+    "division": "x*(1/s) differs from x/s in ~1 of 33M bytes on bf16 activations, more on other data",
+    "granularity": "a different grouping changes every scale",
+}
+"""What each QuantSpec field difference does to the bytes (NUMERICS.md section 2)."""
 
 
 def _env_fix(origin: str) -> str | None:

@@ -70,6 +70,7 @@ def compare_numeric(
     findings: list[Finding] = []
     first: dict[str, Any] | None = None
     linears = [p for p in training.order if p in t_infos and t_infos[p].kind in ("linear", "lm_head")]
+    prev_linear = ""
     for path in linears:
         if path not in index:
             continue
@@ -116,7 +117,8 @@ def compare_numeric(
                 row["max_abs_diff"] = None
                 row["note"] = f"output shapes differ: training {tuple(ty.shape)} vs rollout {tuple(ry.shape)}"
         rows.append(row)
-        what = _divergence(row)
+        what = _divergence(row, prev_linear)
+        prev_linear = path
         if what and first is None:
             first = {"module": path, "rollout_module": r_mod, "what": what}
         if row["weight_bytes_equal"] is False:
@@ -160,14 +162,15 @@ def compare_numeric(
     return result, group_findings(findings)
 
 
-def _divergence(row: dict[str, Any]) -> str:
+def _divergence(row: dict[str, Any], prev_linear: str) -> str:
     if row.get("weight_bytes_equal") is False:
         return "weight bytes differ"
     if row.get("act_bytes_equal") is False:
         return "activation quantizer bytes differ"
     dx = row.get("input_max_abs_diff")
     if dx:
-        return f"input differs (max |dx| = {dx:.3e}; drift from the preceding non-Linear op)"
+        since = f"after {prev_linear}" if prev_linear else "before the first Linear"
+        return f"input differs (max |dx| = {dx:.3e}): drift from the non-Linear ops {since} (attention, norms)"
     dy = row.get("max_abs_diff")
     if dy:
         return f"output differs (max |dy| = {dy:.3e}, SQNR {row.get('sqnr_db', float('nan')):.1f} dB) with equal input"

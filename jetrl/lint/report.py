@@ -161,7 +161,7 @@ def group_findings(findings: list[Finding]) -> list[Finding]:
                     first.expected,
                     first.found,
                     first.fix,
-                    tuple(f.rollout_module for f in fs[1:]),
+                    tuple(f.rollout_module or f.training_module for f in fs[1:]),
                 )
             )
     return out

@@ -134,3 +134,38 @@ def test_training_capture_identifies_weight_specs_from_bytes(tiny_ckpt, probe, u
         ].view(torch.uint8),
     )
     assert capture_training  # the builder under test (imported for the reader)
+
+
+class _FusedRMSNormQuant(torch.nn.Module):
+    """An RMSNorm computed by the fused ``jetrl::rmsnorm_quant`` kernel, handing its 1x128 bytes to the
+    next JetFP8Linear (`jetrl.linear.attach_quantized`), as a fused trainer would."""
+
+    def __init__(self, norm: torch.nn.Module) -> None:
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm.variance_epsilon
+
+    def forward(self, x):
+        from jetrl.kernels import rmsnorm_quant
+        from jetrl.linear import attach_quantized
+
+        y, q, s, _ = rmsnorm_quant(x.reshape(-1, x.shape[-1]), self.weight, self.eps, name="fused")
+        return attach_quantized(y.reshape(x.shape), q, s)
+
+
+def test_fused_norm_quant_trainer_normalizes_onto_the_rollout(tiny_ckpt, probe, unified_engine):
+    from jetrl.convert import convert_model
+    from jetrl.lint.builders import capture_converted, load_training_model
+
+    recipe = Recipe.from_name("jetrl-unified")
+    model = load_training_model(tiny_ckpt)
+    conversion = convert_model(model, recipe)
+    for layer in model.model.layers:
+        layer.input_layernorm = _FusedRMSNormQuant(layer.input_layernorm)
+    training = capture_converted(model, conversion, recipe, probe=probe)
+    nq = training.graph.nodes["model.layers.0.input_layernorm:norm+quantize"]
+    assert nq.attr("impl") == "jetrl::rmsnorm_quant"
+    # q/k/v ran no quantizer of their own: their input bytes came from the fused norm
+    assert "model.layers.0.self_attn.q_proj|jetrl::quantize_1x128" not in training.trace.op_counts
+    report = lint(tiny_ckpt, recipe, engine=unified_engine, probe=probe, training=training)
+    assert report.ok and report.findings == [], report.table()
+    assert any(r.startswith("training: fused norm") for r in report.normalizations)
