@@ -90,9 +90,10 @@ class DeepGemmBackend(GemmBackend):
         a, b = pad_k(a), pad_k(b)
         sa = to_scale_layout(a_s, "deepgemm")
         if role == "wgrad":
-            d = torch.empty((m, n), dtype=torch.float32, device=a.device)
-            # Shapes: [N, T] @ [K, T]^T -> [N, K], fp32, D = C + A @ B.T
-            self.dg.fp8_gemm_nt((a, sa), (b, to_scale_layout(b_s, "deepgemm")), d, c=c, recipe=(1, 1, 128))
+            # the (1, 1, 128) kernel only exists as an accumulate (it asserts c is given): D = D + A @ B.T
+            d = c.clone() if c is not None else torch.zeros((m, n), dtype=torch.float32, device=a.device)
+            # Shapes: [N, T] @ [K, T]^T -> [N, K], fp32
+            self.dg.fp8_gemm_nt((a, sa), (b, to_scale_layout(b_s, "deepgemm")), d, c=d, recipe=(1, 1, 128))
             return d if out_dtype == torch.float32 else d.to(out_dtype)
         d = torch.empty((m, n), dtype=torch.float32 if c is not None else out_dtype, device=a.device)
         # Shapes: [M, K] @ [N, K]^T -> [M, N]

@@ -22,10 +22,11 @@ __all__ = [
     "transpose_requantize",
     "set_quantize_impl",
     "quantize_impl",
+    "quantize_paths",
     "QUANTIZE_IMPLS",
 ]
 
-QUANTIZE_IMPLS = ("kernels", "reference")
+QUANTIZE_IMPLS = ("kernels", "kernels+compose", "reference")
 _IMPL = {"name": "kernels"}
 
 
@@ -37,11 +38,24 @@ def set_quantize_impl(name: str) -> None:
     _IMPL["name"] = name
 
 
-def quantize_impl(device: torch.device | str = "cpu") -> str:
-    """Which implementation quantizes tensors on `device`: 'jetrl.kernels' or 'jetrl.quant'."""
-    if _IMPL["name"] == "reference":
-        return "jetrl.quant"
-    return "jetrl.kernels" if _kernel("quantize_1x128") is not None else "jetrl.quant"
+def quantize_impl() -> str:
+    """The selected implementation name (see `set_quantize_impl`)."""
+    return _IMPL["name"]
+
+
+def quantize_paths() -> dict[str, str]:
+    """For each quantize op, what runs it on CUDA now: 'jetrl.kernels', 'composed' or 'jetrl.quant'."""
+    out = {}
+    for op in ("quantize_1x128", "quantize_128x128", "transpose_quantize", "transpose_requantize"):
+        if _IMPL["name"] == "reference":
+            out[op] = "jetrl.quant"
+        elif _kernel(op) is not None:
+            out[op] = "jetrl.kernels"
+        elif _IMPL["name"] == "kernels+compose" and op.startswith("transpose"):
+            out[op] = "composed from jetrl.kernels.quantize_1x128" + (" + eager dequantize" if "re" in op else "")
+        else:
+            out[op] = "missing (raises on CUDA)"
+    return out
 
 
 def _kernel(op: str):
@@ -85,8 +99,14 @@ def quantize_128x128(w: torch.Tensor, *, with_transpose: bool = False, name: str
     return q, s, q.t().contiguous(), s.t().contiguous()
 
 
+def _composable(op: str, x: torch.Tensor) -> bool:
+    return _IMPL["name"] == "kernels+compose" and x.device.type != "cpu" and _kernel(op) is None
+
+
 def transpose_quantize(x: torch.Tensor, *, name: str = "x"):
     """x [M, K] -> quantize_128x1(x): (q_t [K, M], s_t [K, ceil(M/128)])."""
+    if _composable("transpose_quantize", x):
+        return _kernel("quantize_1x128")(x.t().contiguous(), scale_layout="row", name=name)
     fn = _route("transpose_quantize", x)
     if fn is not None:
         return fn(x, name=name)
@@ -95,6 +115,9 @@ def transpose_quantize(x: torch.Tensor, *, name: str = "x"):
 
 def transpose_requantize(q: torch.Tensor, s: torch.Tensor, *, name: str = "x"):
     """1x128-quantized [M, K] -> dequantize, transpose, requantize 1x128 along M: (q_t [K, M], s_t)."""
+    if _composable("transpose_requantize", q):
+        x = quant.dequantize_1x128(q, s.contiguous(), name=name)
+        return _kernel("quantize_1x128")(x.t().contiguous(), scale_layout="row", name=name)
     fn = _route("transpose_requantize", q)
     if fn is not None:
         return fn(q, s, name=name)
