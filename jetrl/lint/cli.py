@@ -8,6 +8,7 @@ Exit status: 0 consistent (warnings allowed), 1 violations, 2 usage or environme
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -73,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
                 tensor_parallel_size=args.tensor_parallel_size,
                 quant_op=args.quant_op,
             )
-        report = lint(args.model, args.recipe, args.rollout, args.numeric, stock=stock, backend=args.backend)
+        # vLLM logs to stdout (its handler binds sys.stdout when vllm is first imported, inside this
+        # block): send it to stderr so stdout carries only the report (--json must stay parseable)
+        with contextlib.redirect_stdout(sys.stderr):
+            report = lint(args.model, args.recipe, args.rollout, args.numeric, stock=stock, backend=args.backend)
     except (LintEnvError, LayoutError, StockConfigError, RecipeError, FileNotFoundError) as e:
         print(f"jetrl lint: error: {e}", file=sys.stderr)
         return 2

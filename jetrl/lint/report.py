@@ -171,14 +171,15 @@ def _numeric_table(num: dict[str, Any]) -> list[str]:
     lines = [f"numeric mode: {num.get('probe', '')}"]
     rows = num.get("layers", [])
     if rows:
-        lines.append(f"  {'LAYER':<40} {'W BYTES':<8} {'X BYTES':<8} {'MAX|dY|':>10} {'SQNR dB':>8}")
+        lines.append(f"  {'LAYER':<40} {'W BYTES':<8} {'X BYTES':<8} {'MAX|dX|':>10} {'MAX|dY|':>10} {'SQNR dB':>8}")
         for r in rows:
             sq = r.get("sqnr_db")
             sq_s = "inf" if sq == float("inf") else (f"{sq:.1f}" if sq is not None else "-")
-            mad = r.get("max_abs_diff")
+            mad, dx = r.get("max_abs_diff"), r.get("input_max_abs_diff")
             lines.append(
                 f"  {r['module']:<40} {_yn(r.get('weight_bytes_equal')):<8} {_yn(r.get('act_bytes_equal')):<8} "
-                f"{(f'{mad:.3e}' if mad is not None else '-'):>10} {sq_s:>8}"
+                f"{(f'{dx:.3e}' if dx is not None else '-'):>10} {(f'{mad:.3e}' if mad is not None else '-'):>10} "
+                f"{sq_s:>8}"
             )
     fd = num.get("first_divergence")
     lines.append(f"  first divergence: {fd['module']} ({fd['what']})" if fd else "  first divergence: none")

