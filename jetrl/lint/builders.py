@@ -95,8 +95,11 @@ def capture_training(
     """Convert the trainer's model with `recipe` (`jetrl.convert.convert_model`) and capture its
     forward on `probe` (batch of one)."""
     from jetrl.convert import convert_model
+    from jetrl.gemm import get_backend
 
     model = load_training_model(model_path)
+    if recipe.train_fp8 and get_backend(backend).device_type == "cuda":
+        model = model.cuda()  # the GPU backends take CUDA operands; the trace keeps CPU copies
     report = convert_model(model, recipe, backend=backend, name_filter=name_filter)
     return capture_converted(model, report, recipe, probe=probe, keep_tensors=keep_tensors)
 
@@ -107,7 +110,7 @@ def capture_converted(
     """Capture the forward of an already converted trainer model (`report`: its ConversionReport) on
     `probe`. For models whose modules were changed after conversion (e.g. fused norm+quantize)."""
     reasons = {e.name: e.reason for e in report.entries}
-    ids = torch.tensor([probe], dtype=torch.long)
+    ids = torch.tensor([probe], dtype=torch.long, device=next(model.parameters()).device)
     with torch.no_grad(), Recorder(model, keep_tensors=keep_tensors) as rec:
         model(input_ids=ids)
     n_fp8 = len(report.converted_names())

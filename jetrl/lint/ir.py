@@ -46,6 +46,8 @@ __all__ = [
     "FP32",
     "FP8",
     "GEMM_KINDS",
+    "linear_site",
+    "iter_linear_sites",
 ]
 
 FP8 = "float8_e4m3fn"
@@ -322,6 +324,3 @@ def linear_site(
 def iter_linear_sites(graph: Graph) -> Iterable[Node]:
     """GEMM and lm_head fprop nodes, in insertion order."""
     return (n for n in graph.nodes.values() if n.kind in GEMM_KINDS and n.role == "fprop")
-
-
-__all__ += ["linear_site", "iter_linear_sites"]

@@ -111,6 +111,11 @@ class StockVllmSettings:
             if qm != "fp8":
                 raise StockConfigError(f"quantization_config.quant_method={qm!r}: the lint models vLLM's 'fp8' only")
             wbs = self.quant_config.get("weight_block_size")
+            if wbs is not None and self.quant_config.get("activation_scheme", "dynamic") != "dynamic":
+                raise StockConfigError(
+                    "quantization_config: block-wise FP8 needs activation_scheme='dynamic' (vLLM's Fp8Config refuses "
+                    f"{self.quant_config.get('activation_scheme')!r})"
+                )
             if wbs is not None and list(wbs) != [128, 128]:
                 raise StockConfigError(
                     f"quantization_config.weight_block_size={wbs!r}: only [128, 128] blocks exist in the jetrl recipes"
