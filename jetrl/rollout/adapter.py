@@ -210,7 +210,10 @@ def create_engine(
 
 
 class Engine:
-    """A started vLLM engine plus what jetrl needs of it. Create with `create_engine`."""
+    """A started vLLM engine plus what jetrl needs of it. Create with `create_engine`.
+
+    Keep a reference while any in-process engine of the process is in use: vLLM shuts an engine down
+    when it is garbage-collected, and that tears down its process-wide parallel state."""
 
     def __init__(self, llm, recipe: Recipe, *, rollout: str, in_process: bool, start_seconds: float) -> None:
         self.llm = llm
@@ -357,7 +360,8 @@ class Engine:
         self._asleep = False
 
     def close(self) -> None:
-        """Shut the engine core down (frees its KV cache and model)."""
+        """Shut the engine core down (frees its KV cache and model). For in-process engines this also
+        tears down vLLM's process-wide parallel state: close the engines of a process together, last."""
         core = getattr(self.llm.llm_engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()

@@ -1,0 +1,272 @@
+"""Rollout benchmark: decode tokens/s per rollout precision, and weight-sync seconds/bytes.
+
+GPU (H200, vllm>=0.24 with DeepGEMM): a Llama-3.1-8B-shaped model with random weights
+(``load_format="dummy"``, config written locally, no download), 256 prompt tokens, 256 (batch 64) and
+512 (batch 256) output tokens, for
+
+- ``bf16``          plain vLLM BF16 (``jetrl_bf16``: vLLM's unquantized Linear),
+- ``jetrl_fp8``     jetrl-unified through jetrl's vLLM method (`jetrl.gemm.linear_fp8`, backend auto),
+- ``stock_fp8``     vLLM's own block-FP8 path with jetrl's settings (`adapter.stock_vllm_settings`),
+
+then a full weight sync of an 8B trainer model (HF Llama on the same GPU, converted with
+`jetrl.convert.convert_model`) into the ``jetrl_fp8`` engine: bytes and seconds (first sync includes
+quantizing the trainer's weights once; the second is a steady-state sync). Reference (NUMERICS.md):
+stock vLLM 0.26 BF16 8.5k / 16.3k tok/s, block-FP8 10.8k / 19.6k at batch 64 / 256.
+
+CPU (``--tiny``): the same flow on the tiny Qwen3 (`jetrl.tiny`) with the emulated GEMM backend, plus
+the log-prob mismatch per recipe; stock FP8 is reported as unavailable (vLLM's CPU block-FP8 path needs
+Intel AMX). Writes scripts/results/rollout-<cpu|gpu>.json and prints a table.
+
+    python scripts/bench_rollout.py --tiny
+    python scripts/bench_rollout.py            # on the H200
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+LLAMA_8B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "tie_word_embeddings": False,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+}
+"""Llama-3.1-8B's published architecture (no weights)."""
+
+MODES = {
+    "bf16": ("bf16", "jetrl"),
+    "jetrl_fp8": ("jetrl-unified", "jetrl"),
+    "stock_fp8": ("jetrl-unified", "stock"),
+    "naive_fp8": ("naive-fp8-rollout", "jetrl"),
+    "stock_naive_fp8": ("naive-fp8-rollout", "stock"),
+}
+"""mode -> (recipe, rollout). naive_fp8 is jetrl's emulation (CPU); stock_naive_fp8 is vLLM's own online
+per-tensor FP8 (GPU)."""
+DEFAULT_MODES = {"cpu": ["bf16", "jetrl_fp8", "naive_fp8", "stock_fp8"], "gpu": ["bf16", "jetrl_fp8", "stock_fp8"]}
+
+
+def _versions() -> dict:
+    import torch
+
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for mod in ("vllm", "triton", "transformers"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception as e:  # recorded in the JSON, not hidden
+            out[mod] = f"unavailable: {type(e).__name__}"
+    return out
+
+
+def _device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"CPU: {line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return f"CPU ({platform.processor()})"
+
+
+def _decode(engine, batch: int, in_len: int, out_len: int, vocab: int, seed: int) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(3, vocab, (batch, in_len), generator=g).tolist()
+    engine.generate(prompts[: min(batch, 4)], max_tokens=4, seed=seed, ignore_eos=True)  # warm-up
+    t0 = time.perf_counter()
+    samples = engine.generate(prompts, max_tokens=out_len, seed=seed, ignore_eos=True)
+    dt = time.perf_counter() - t0
+    n = sum(len(s.response_ids) for s in samples)
+    return {"batch": batch, "input_len": in_len, "output_len": out_len, "tokens": n, "seconds": dt, "tok_s": n / dt}
+
+
+def _model_dir(args, tmp: Path) -> tuple[Path, int]:
+    if args.tiny:
+        from jetrl.tiny import save_tiny_checkpoint
+
+        return save_tiny_checkpoint(tmp / "tiny", seed=0), 78
+    d = tmp / "llama-8b-shape"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(LLAMA_8B, indent=2))
+    return d, LLAMA_8B["vocab_size"]
+
+
+def _trainer(args, recipe):
+    import torch
+
+    from jetrl.convert import convert_model
+
+    if args.tiny:
+        from jetrl.tiny import build_tiny_model
+
+        model = build_tiny_model(1)
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(LlamaConfig(**LLAMA_8B)).to(torch.bfloat16)
+    if recipe.train_fp8:
+        convert_model(model, recipe, backend=args.backend)
+    return model.eval()
+
+
+def run(args) -> dict:
+    import torch
+
+    from jetrl.recipe import Recipe
+    from jetrl.rollout.adapter import create_engine, stock_block_fp8_unavailable_reason
+    from jetrl.rollout.sync import sync_weights
+
+    shapes = [(8, 32, 32), (16, 32, 32)] if args.tiny else [(64, 256, 256), (256, 256, 512)]
+    result = {
+        "benchmark": "rollout",
+        "device": _device_name(),
+        "versions": _versions(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "model": "tiny-qwen3 (jetrl.tiny)" if args.tiny else "Llama-3.1-8B shape, random weights",
+        "backend": args.backend,
+        "enforce_eager": args.enforce_eager,
+        "decode": {},
+        "engine_start_s": {},
+        "sync": {},
+        "unavailable": {},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        path, vocab = _model_dir(args, Path(tmp))
+        for mode in args.modes:
+            recipe_name, rollout = MODES[mode]
+            recipe = Recipe.from_name(recipe_name)
+            if rollout == "stock" and (reason := stock_block_fp8_unavailable_reason()) is not None:
+                result["unavailable"][mode] = reason
+                print(f"[{mode}] skipped: {reason}", flush=True)
+                continue
+            kw = {"load_format": "dummy"} if not args.tiny else {}
+            if args.tiny:
+                kw["kv_cache_memory_bytes"] = 64 << 20
+            else:
+                kw["gpu_memory_utilization"] = args.gpu_memory_utilization
+                kw["skip_tokenizer_init"] = True
+            engine = create_engine(
+                path,
+                recipe,
+                seed=0,
+                max_model_len=args.max_model_len,
+                enforce_eager=args.enforce_eager,
+                rollout=rollout,
+                backend=args.backend,
+                **kw,
+            )
+            result["engine_start_s"][mode] = engine.start_seconds
+            print(f"[{mode}] engine start {engine.start_seconds:.1f} s ({engine.quantization})", flush=True)
+            result["decode"][mode] = [_decode(engine, b, i, o, vocab, seed=0) for b, i, o in shapes]
+            if mode in args.sync_modes:
+                trainer = _trainer(args, recipe)
+                reports = [sync_weights(trainer, engine, recipe).to_dict() for _ in range(2)]
+                result["sync"][mode] = {"first": reports[0], "steady": reports[1]}
+                if args.tiny:
+                    from jetrl.rollout.parity import logprob_mismatch
+                    from jetrl.tiny import CharTokenizer
+
+                    tok = CharTokenizer()
+                    prompts = [tok.encode(p) for p in ("12+7=", "3*4=", "100-1=", "7*8=", "hello ", "9+9+9=")]
+                    samples = engine.generate(prompts, n=4, max_tokens=32, seed=1234)
+                    result.setdefault("logprob_mismatch", {})[recipe.name] = logprob_mismatch(trainer, samples)
+                del trainer
+            engine.close()
+            del engine
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return result
+
+
+def _table(result: dict) -> str:
+    lines = [f"rollout benchmark on {result['device']} ({result['model']})", ""]
+    lines.append(f"{'mode':10s} {'batch':>5s} {'in':>5s} {'out':>5s} {'tok/s':>10s}")
+    for mode, rows in result["decode"].items():
+        for r in rows:
+            lines.append(f"{mode:10s} {r['batch']:5d} {r['input_len']:5d} {r['output_len']:5d} {r['tok_s']:10.1f}")
+    for mode, reason in result["unavailable"].items():
+        lines.append(f"{mode:10s} unavailable: {reason}")
+    lines.append("")
+    for mode, s in result["sync"].items():
+        for k, r in s.items():
+            lines.append(
+                f"sync {mode} ({k}): {r['bytes'] / 1e6:.2f} MB in {r['seconds']:.3f} s "
+                f"(export {r['export_seconds']:.3f}, copy {r['copy_seconds']:.3f}, "
+                f"verify {r['verify_seconds']:.3f}; {r['n_digests']} digests equal)"
+            )
+    for name, m in result.get("logprob_mismatch", {}).items():
+        lines.append(f"|dlogp| {name:18s} mean {m['mean_abs']:.5f} max {m['max_abs']:.5f} ({m['tokens']} tokens)")
+    lines.append("engine start s: " + ", ".join(f"{k} {v:.1f}" for k, v in result["engine_start_s"].items()))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true", help="tiny Qwen3 on CPU (emulated GEMM) instead of 8B on a GPU")
+    p.add_argument("--modes", nargs="+", default=None, choices=list(MODES))
+    p.add_argument("--sync-modes", nargs="*", default=None, help="modes whose engine receives a timed weight sync")
+    p.add_argument("--backend", default=None, help="jetrl.gemm backend (default: emulated with --tiny, else auto)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / torch.compile (always on CPU)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.45)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--out", default=None, help="JSON path (default scripts/results/rollout-<cpu|gpu>.json)")
+    args = p.parse_args(argv)
+    if args.backend is None:
+        args.backend = "emulated" if args.tiny else "auto"
+    if args.tiny:
+        args.enforce_eager = True
+    if args.modes is None:
+        args.modes = DEFAULT_MODES["cpu" if args.tiny else "gpu"]
+    if args.sync_modes is None:
+        args.sync_modes = ["bf16", "jetrl_fp8", "naive_fp8"] if args.tiny else ["jetrl_fp8"]
+    if args.max_model_len is None:
+        args.max_model_len = 128 if args.tiny else 1024
+    result = run(args)
+    out = Path(args.out or Path(__file__).parent / "results" / f"rollout-{'cpu' if args.tiny else 'gpu'}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(_table(result))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

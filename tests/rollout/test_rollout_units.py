@@ -1,0 +1,196 @@
+"""Rollout pieces that need no engine: the quant config, the naive emulation, digests, sync planning,
+stock-vLLM settings."""
+
+import pytest
+import torch
+
+from jetrl.quant import quantize_128x128
+from jetrl.recipe import Recipe, RecipeError
+from jetrl.rollout.adapter import ParamInfo, stock_block_fp8_unavailable_reason, stock_vllm_settings
+from jetrl.rollout.methods import RolloutQuantConfig, naive_forward, naive_quantize_weight
+from jetrl.rollout.sync import WeightSyncError, plan_sync, tensor_digest
+
+PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+
+# -- RolloutQuantConfig -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("recipe", "method"),
+    [("jetrl-unified", "jetrl_fp8"), ("naive-fp8-rollout", "jetrl_fp8_naive"), ("bf16", "jetrl_bf16")],
+)
+def test_config_round_trip(recipe, method):
+    cfg = RolloutQuantConfig(recipe=recipe, backend="emulated" if recipe != "bf16" else "auto")
+    d = cfg.to_hf_dict()
+    assert d["quant_method"] == method
+    assert RolloutQuantConfig.from_hf_dict(d) == cfg
+
+
+def test_stock_block_fp8_checkpoint_config_is_accepted():
+    cfg = RolloutQuantConfig.from_hf_dict(
+        {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+            "ignored_layers": ["a"],
+        }
+    )
+    assert (cfg.method_name, cfg.checkpoint_format, cfg.ignored_layers) == ("jetrl_fp8", "fp8-128x128", ("a",))
+    assert cfg.keeps_bf16("a") and cfg.keeps_bf16("lm_head") and not cfg.keeps_bf16("model.layers.0.mlp.gate_proj")
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"scale_fmt": "ue8m0"}, "scale_fmt"),
+        ({"weight_block_size": [128, 64]}, "weight_block_size"),
+        ({"weight_block_size": None}, "weight_block_size"),
+        ({"activation_scheme": "static"}, "activation_scheme"),
+    ],
+    ids=["pow2-scales", "block-128x64", "per-tensor-ckpt", "static-acts"],
+)
+def test_incompatible_fp8_checkpoints_are_refused(extra, match):
+    base = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    with pytest.raises(ValueError, match=match):
+        RolloutQuantConfig.from_hf_dict({**base, **extra})
+
+
+def test_config_refusals():
+    with pytest.raises(ValueError, match="BF16 checkpoint"):
+        RolloutQuantConfig(recipe="naive-fp8-rollout", checkpoint_format="fp8-128x128")
+    with pytest.raises(ValueError, match="emulated only"):
+        RolloutQuantConfig(recipe="naive-fp8-rollout", backend="deepgemm")
+    with pytest.raises(RecipeError, match="unknown recipe"):
+        RolloutQuantConfig(recipe="nope")
+    with pytest.raises(ValueError, match="unknown jetrl fields"):
+        RolloutQuantConfig.from_hf_dict({"quant_method": "jetrl_fp8", "bogus": 1})
+    with pytest.raises(ValueError, match="not a jetrl method"):
+        RolloutQuantConfig.from_hf_dict({"quant_method": "awq"})
+
+
+# -- naive emulation ----------------------------------------------------------------------------
+
+
+def test_naive_forward_is_per_token_times_per_tensor():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 256, generator=g).to(torch.bfloat16)
+    x[2, 7] = 40.0  # an outlier: its token's scale grows, other tokens are unaffected
+    w = (torch.randn(384, 256, generator=g) * 0.05).to(torch.bfloat16)
+    recipe = Recipe.from_name("naive-fp8-rollout")
+    wq, ws = naive_quantize_weight(w, recipe.rollout_weight, name="w")
+    assert ws.shape == () and torch.equal(ws, w.float().abs().max() / torch.tensor(448.0))
+    y = naive_forward(x, wq, ws, None, act_spec=recipe.rollout_activation, name="x")
+    amax = x.float().abs().amax(dim=1, keepdim=True).clamp_min(1.0 / 512.0)
+    xs = amax / 448.0
+    xq = torch.clamp(x.float() / xs, -448, 448).to(torch.float8_e4m3fn)
+    ref = (xq.double() * xs.double()) @ (wq.double() * float(ws)).t()
+    assert y.dtype == torch.bfloat16 and y.shape == (5, 384)
+    err = (y.double() - ref).abs().max().item()
+    assert err <= 2**-7 * ref.abs().max().item(), f"{err=:.3e}"
+    bf16_ref = x.float() @ w.float().t()
+    assert not torch.equal(y.float(), bf16_ref.to(torch.bfloat16).float()), "naive must differ from BF16"
+
+
+# -- digests ------------------------------------------------------------------------------------
+
+
+def test_digest_detects_every_single_byte_flip():
+    g = torch.Generator().manual_seed(1)
+    q, s = quantize_128x128(torch.randn(256, 384, generator=g))
+    d0 = tensor_digest(q)
+    assert tensor_digest(q.clone()) == d0 and tensor_digest(s) != d0
+    raw = q.view(torch.uint8).reshape(-1)
+    for pos in torch.randint(0, raw.numel(), (64,), generator=g).tolist() + [0, raw.numel() - 1]:
+        bad = raw.clone()
+        bad[pos] ^= 1 << (pos % 8)
+        assert tensor_digest(bad.view(torch.float8_e4m3fn).reshape(q.shape)) != d0, pos
+    assert tensor_digest(q.view(torch.uint8)) != d0, "dtype is part of the digest"
+    assert tensor_digest(q.t()) != d0 and tensor_digest(q.t().contiguous()) == tensor_digest(q.t())
+
+
+# -- sync planning --------------------------------------------------------------------------------
+
+
+def _info(shape, dtype, mode=None, vocab=False):
+    return ParamInfo(tuple(shape), dtype, vocab, mode)
+
+
+def _fp8(n, k):
+    return quantize_128x128(torch.randn(n, k))
+
+
+def test_plan_places_fused_parts_on_128_row_boundaries():
+    pre = "model.layers.0.self_attn"
+    payload = {f"{pre}.q_proj.weight": _fp8(256, 256), f"{pre}.k_proj.weight": _fp8(128, 256)}
+    payload[f"{pre}.v_proj.weight"] = _fp8(128, 256)
+    info = {
+        f"{pre}.qkv_proj.weight": _info((512, 256), "float8_e4m3fn", "block"),
+        f"{pre}.qkv_proj.weight_scale_inv": _info((4, 2), "float32", "block"),
+    }
+    plan = {p.hf_name: p for p in plan_sync(payload, info, PACKED)}
+    v = plan[f"{pre}.v_proj.weight"]
+    assert (v.engine_param, v.row0, v.rows, v.scale_row0, v.scale_rows) == (f"{pre}.qkv_proj.weight", 384, 128, 3, 1)
+
+
+def test_plan_refuses_parts_off_the_block_grid_naming_them():
+    pre = "model.layers.0.self_attn"
+    payload = {f"{pre}.q_proj.weight": _fp8(192, 256), f"{pre}.k_proj.weight": _fp8(64, 256)}
+    payload[f"{pre}.v_proj.weight"] = _fp8(64, 256)
+    info = {
+        f"{pre}.qkv_proj.weight": _info((320, 256), "float8_e4m3fn", "block"),
+        f"{pre}.qkv_proj.weight_scale_inv": _info((3, 2), "float32", "block"),
+    }
+    with pytest.raises(WeightSyncError, match=r"q_proj\.weight: part of fused .*qkv_proj\.weight at rows \[0, 192\)"):
+        plan_sync(payload, info, PACKED)
+
+
+def test_plan_refuses_precision_mismatch_and_gaps():
+    name = "model.layers.0.mlp.down_proj.weight"
+    info_fp8 = {name: _info((256, 512), "float8_e4m3fn", "block"), name + "_scale_inv": _info((2, 4), "float32")}
+    with pytest.raises(WeightSyncError, match="down_proj.weight: the trainer sends BF16"):
+        plan_sync({name: torch.zeros(256, 512, dtype=torch.bfloat16)}, info_fp8, PACKED)
+    with pytest.raises(WeightSyncError, match="down_proj.weight: the trainer sends fp8 bytes"):
+        plan_sync({name: _fp8(256, 512)}, {name: _info((256, 512), "bfloat16", "bf16")}, PACKED)
+    extra = {**info_fp8, "model.norm.weight": _info((512,), "bfloat16")}
+    with pytest.raises(WeightSyncError, match=r"model\.norm\.weight .* receives 0 of 512 rows"):
+        plan_sync({name: _fp8(256, 512)}, extra, PACKED)
+    with pytest.raises(WeightSyncError, match="foo.weight: no engine parameter"):
+        plan_sync({"foo.weight": torch.zeros(3)}, {}, PACKED)
+    packed_cpu = {name: _info((0,), "bfloat16", None)}
+    with pytest.raises(WeightSyncError, match="repacked"):
+        plan_sync({name: torch.zeros(256, 512, dtype=torch.bfloat16)}, packed_cpu, PACKED)
+
+
+def test_plan_leaves_padded_vocab_rows_alone():
+    payload = {"lm_head.weight": torch.zeros(78, 256, dtype=torch.bfloat16)}
+    plan = plan_sync(payload, {"lm_head.weight": _info((128, 256), "bfloat16", vocab=True)}, PACKED)
+    assert (plan[0].row0, plan[0].rows) == (0, 78)
+    with pytest.raises(WeightSyncError, match="receives 78 of 128"):
+        plan_sync(payload, {"lm_head.weight": _info((128, 256), "bfloat16", vocab=False)}, PACKED)
+
+
+# -- stock vLLM settings ----------------------------------------------------------------------------
+
+
+def test_stock_vllm_settings_for_each_recipe():
+    kw, env = stock_vllm_settings("jetrl-unified")
+    qc = kw["hf_overrides"]["quantization_config"]
+    assert kw["quantization"] == "fp8" and kw["dtype"] == "bfloat16"
+    assert qc == {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    assert "scale_fmt" not in qc
+    assert env["VLLM_USE_DEEP_GEMM_E8M0"] == "0" and env["VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER"] == "0"
+    assert env["VLLM_USE_DEEP_GEMM"] == "1"
+    # the settings describe the unified recipe's rollout: the checkpoint config they produce maps back to it
+    assert RolloutQuantConfig.from_hf_dict(qc).recipe_obj.rollout_matches_training() == []
+    kw, env = stock_vllm_settings("naive-fp8-rollout")
+    assert kw["quantization"] in ("fp8_per_tensor", "fp8") and env == {}
+    assert stock_vllm_settings("bf16") == ({"dtype": "bfloat16"}, {})
+
+
+@pytest.mark.skipif(stock_block_fp8_unavailable_reason() is None, reason="this machine can run stock block FP8")
+def test_stock_block_fp8_is_refused_here_with_the_reason(tmp_path):
+    from jetrl.rollout.adapter import create_engine
+
+    with pytest.raises(RuntimeError, match="AMX"):
+        create_engine(tmp_path, "jetrl-unified", seed=0, max_model_len=64, rollout="stock")
