@@ -63,6 +63,7 @@ def lint(
     backend: str = "auto",
     max_model_len: int = 256,
     training: TrainingCapture | None = None,
+    served_path: str | Path | None = None,
 ) -> LintReport:
     """Prove (or refute) G_rollout ⊆ G_train_fwd for the checkpoint at `model_path`.
 
@@ -74,6 +75,10 @@ def lint(
     - `numeric`: also run the probe through both sides and compare per layer (jetrl-vllm only).
     - `train_name_filter`: forwarded to `jetrl.convert.convert_model` (which Linears the trainer converts).
     - `training`: a `capture_training` result to reuse (same recipe and probe; with tensors for `numeric`).
+    - `served_path`: the checkpoint the rollout serves when it is not `model_path` (e.g. the trainer's FP8
+      export, `jetrl.rollout.checkpoint.save_fp8_checkpoint`): the jetrl-vllm engine loads it, the
+      stock-vllm settings read its ``quantization_config`` (unless `stock` is given). `model_path` is
+      always the trainer's BF16 checkpoint.
 
     Raises `LintEnvError` when the lint cannot run here (the CLI's exit code 2).
     """
@@ -89,6 +94,11 @@ def lint(
     else:
         r_recipe = recipe if rollout_recipe is None else rollout_recipe
         r_recipe = Recipe.from_name(r_recipe) if isinstance(r_recipe, str) else r_recipe
+    if numeric and rollout == "stock-vllm":
+        raise LintEnvError(
+            "numeric mode needs a live engine; the stock-vllm rollout is derived from its settings (stock vLLM "
+            "block FP8 runs on sm_90 GPUs only); run --numeric with --rollout jetrl-vllm"
+        )
     model_path = Path(model_path)
     probe = probe if probe is not None else probe_ids(model_path)
 
@@ -106,17 +116,14 @@ def lint(
         train = training
     r_trace = None
     if rollout == "stock-vllm":
-        if numeric:
-            raise LintEnvError(
-                "numeric mode needs a live engine; the stock-vllm rollout is derived from its settings (stock vLLM "
-                "block FP8 runs on sm_90 GPUs only); run --numeric with --rollout jetrl-vllm"
-            )
-        settings = stock if stock is not None else StockVllmSettings.from_environment(model_path)
+        served = Path(served_path) if served_path is not None else model_path
+        settings = stock if stock is not None else StockVllmSettings.from_environment(served)
         r_graph = build_stock_rollout_graph(model_path, settings)
     else:
         own = engine is None
         if own:
-            engine = _start_engine(model_path, r_recipe, backend, max_model_len)
+            served = Path(served_path) if served_path is not None else model_path
+            engine = _start_engine(served, r_recipe, backend, max_model_len)
         try:
             r_graph, r_trace = capture_jetrl_vllm(engine, probe=probe, keep_tensors=numeric)
         finally:

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
-from pathlib import Path
 
 from jetrl.recipe import RECIPE_NAMES, RecipeError
 
@@ -29,11 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--numeric", action="store_true", help="also compare both sides numerically on a probe")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--backend", default="auto", help="jetrl.gemm backend of the trainer and the jetrl_fp8 engine")
-    stock = p.add_argument_group("stock-vllm settings (the environment's VLLM_* variables are read too)")
-    stock.add_argument(
-        "--served-config",
-        help="checkpoint dir or config.json whose quantization_config stock vLLM serves (default: --model's)",
+    p.add_argument(
+        "--served",
+        help="the checkpoint the rollout serves, e.g. the trainer's FP8 export (default: --model); stock-vllm "
+        "reads its quantization_config, jetrl-vllm starts the engine from it",
     )
+    stock = p.add_argument_group("stock-vllm settings (the environment's VLLM_* variables are read too)")
     stock.add_argument("--quantization", choices=("fp8_per_tensor", "fp8_per_block"), help="online --quantization")
     stock.add_argument("--kv-cache-dtype", default="auto", help="vLLM kv_cache_dtype (auto, fp8, fp8_e4m3, ...)")
     stock.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM tensor_parallel_size")
@@ -41,16 +40,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--quant-op", choices=("cuda", "native"), default="cuda", help="vLLM QuantFP8 implementation (custom op or not)"
     )
     return p
-
-
-def _served_quant_config(path: str | None) -> dict | None:
-    if path is None:
-        return None
-    p = Path(path)
-    p = p / "config.json" if p.is_dir() else p
-    if not p.is_file():
-        raise FileNotFoundError(f"--served-config {path}: no config.json there")
-    return json.loads(p.read_text()).get("quantization_config")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,8 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         stock = None
         if args.rollout == "stock-vllm":
             stock = StockVllmSettings.from_environment(
-                args.model,
-                quant_config=_served_quant_config(args.served_config),
+                args.served or args.model,
                 quantization=args.quantization,
                 kv_cache_dtype=args.kv_cache_dtype,
                 tensor_parallel_size=args.tensor_parallel_size,
@@ -77,7 +65,15 @@ def main(argv: list[str] | None = None) -> int:
         # vLLM logs to stdout (its handler binds sys.stdout when vllm is first imported, inside this
         # block): send it to stderr so stdout carries only the report (--json must stay parseable)
         with contextlib.redirect_stdout(sys.stderr):
-            report = lint(args.model, args.recipe, args.rollout, args.numeric, stock=stock, backend=args.backend)
+            report = lint(
+                args.model,
+                args.recipe,
+                args.rollout,
+                args.numeric,
+                stock=stock,
+                backend=args.backend,
+                served_path=args.served,
+            )
     except (LintEnvError, LayoutError, StockConfigError, RecipeError, FileNotFoundError) as e:
         print(f"jetrl lint: error: {e}", file=sys.stderr)
         return 2

@@ -63,3 +63,15 @@ def naive_engine(tiny_ckpt):
     engine = create_engine(tiny_ckpt, "naive-fp8-rollout", seed=0, max_model_len=256)
     yield engine
     engine.close()
+
+
+def fp8_export(ckpt, recipe: Recipe, path):
+    """The trainer's FP8 export (`jetrl.rollout.checkpoint.save_fp8_checkpoint`) of `ckpt` under `recipe`."""
+    from jetrl.convert import convert_model
+    from jetrl.lint.builders import load_training_model
+    from jetrl.rollout.checkpoint import save_fp8_checkpoint
+    from jetrl.tiny import CharTokenizer
+
+    model = load_training_model(ckpt)
+    convert_model(model, recipe)
+    return save_fp8_checkpoint(model, CharTokenizer(), path)

@@ -20,7 +20,7 @@ FROZEN_FLAGS = {
     "--numeric",
     "--json",
     "--backend",
-    "--served-config",
+    "--served",
     "--quantization",
     "--kv-cache-dtype",
     "--tensor-parallel-size",
@@ -55,7 +55,7 @@ def test_exit_0_on_a_consistent_stock_setup(tiny_ckpt, served, monkeypatch, caps
     for k, v in COMPATIBLE_ENV.items():
         monkeypatch.setenv(k, v)
     argv = ["--model", str(tiny_ckpt), "--recipe", "jetrl-unified", "--rollout", "stock-vllm"]
-    assert main([*argv, "--served-config", str(served)]) == 0
+    assert main([*argv, "--served", str(served)]) == 0
     out = capsys.readouterr().out
     assert out.rstrip().endswith("CONSISTENT: 0 error(s), 0 warning(s)")
 
@@ -63,7 +63,7 @@ def test_exit_0_on_a_consistent_stock_setup(tiny_ckpt, served, monkeypatch, caps
 def test_exit_1_with_vllm_default_env_and_json(tiny_ckpt, served, monkeypatch, capsys):
     _clear_vllm_env(monkeypatch)
     argv = ["lint", "--model", str(tiny_ckpt), "--recipe", "jetrl-unified", "--rollout", "stock-vllm"]
-    assert jetrl_main([*argv, "--served-config", str(served), "--json"]) == 1  # through the jetrl dispatcher
+    assert jetrl_main([*argv, "--served", str(served), "--json"]) == 1  # through the jetrl dispatcher
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] is False and report["n_errors"] == 3
     fixes = {f["fix"].split(" before")[0] for f in report["findings"]}

@@ -10,7 +10,7 @@ from jetrl.lint import lint
 from jetrl.lint.builders import capture_training
 from jetrl.recipe import Granularity, QuantSpec, Recipe, ScaleFormat
 
-from .conftest import vllm_available
+from .conftest import fp8_export, vllm_available
 
 pytestmark = [
     pytest.mark.vllm,
@@ -169,3 +169,13 @@ def test_fused_norm_quant_trainer_normalizes_onto_the_rollout(tiny_ckpt, probe, 
     report = lint(tiny_ckpt, recipe, engine=unified_engine, probe=probe, training=training)
     assert report.ok and report.findings == [], report.table()
     assert any(r.startswith("training: fused norm") for r in report.normalizations)
+
+
+def test_engine_serving_the_trainers_fp8_export_holds_its_bytes(tiny_ckpt, probe, unified_training, tmp_path):
+    """served_path: the lint starts a jetrl_fp8 engine from the trainer's FP8 export (checkpoint format
+    fp8-128x128) and proves, byte for byte, that it serves the trainer's weights."""
+    served = fp8_export(tiny_ckpt, Recipe.from_name("jetrl-unified"), tmp_path / "export")
+    report = lint(tiny_ckpt, "jetrl-unified", numeric=True, served_path=served, training=unified_training, probe=probe)
+    assert report.ok and report.findings == [], report.table()
+    rows = [r for r in report.numeric["layers"] if r["module"] != "lm_head"]
+    assert len(rows) == 14 and all(r["weight_bytes_equal"] and r["act_bytes_equal"] for r in rows)

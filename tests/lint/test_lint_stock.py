@@ -13,7 +13,7 @@ from jetrl.lint.builders import capture_training
 from jetrl.lint.stock_vllm import StockConfigError, StockVllmSettings, build_stock_rollout_graph
 from jetrl.recipe import Granularity, QuantSpec, Recipe, ScaleFormat
 
-from .conftest import BLOCK_FP8_CONFIG, COMPATIBLE_ENV
+from .conftest import BLOCK_FP8_CONFIG, COMPATIBLE_ENV, fp8_export
 
 
 def _stock(ckpt, env=COMPATIBLE_ENV, quant_config=BLOCK_FP8_CONFIG, **kw) -> StockVllmSettings:
@@ -143,3 +143,23 @@ def test_recipe_spec_the_trainer_ignores_is_declared_vs_observed(tiny_ckpt):
     report = lint(tiny_ckpt, recipe, "stock-vllm", stock=_stock(tiny_ckpt), training=training)
     found = _only(report, "declared-vs-observed")
     assert all("recipe declares" in f.message and "pow2" in f.message for f in found)
+
+
+def test_trainer_fp8_export_served_by_stock_vllm(tiny_ckpt, tmp_path, monkeypatch):
+    """The realistic stock flow: the trainer (down_proj kept BF16) exports its FP8 bytes; stock vLLM serves
+    the export with its ignored_layers. Consistent with the compatible env, pow2 findings with vLLM's default."""
+    base = Recipe.from_name("jetrl-unified")
+    recipe = base.replace(keep_bf16=(*base.keep_bf16, "down_proj"))
+    served = fp8_export(tiny_ckpt, recipe, tmp_path / "export")
+    training = capture_training(tiny_ckpt, recipe, probe=[1, 5, 6, 7])
+    for k in ("VLLM_USE_DEEP_GEMM", "VLLM_USE_DEEP_GEMM_E8M0", "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in COMPATIBLE_ENV.items():
+        monkeypatch.setenv(k, v)
+    report = lint(tiny_ckpt, recipe, "stock-vllm", served_path=served, training=training)
+    assert report.ok and report.findings == [], report.table()
+    assert report.rollout_summary["n_quantized_linears"] == 12
+    monkeypatch.delenv("VLLM_USE_DEEP_GEMM_E8M0")
+    report = lint(tiny_ckpt, recipe, "stock-vllm", served_path=served, training=training)
+    assert {f.code for f in report.findings} == {"precision-mismatch"}
+    assert all("pow2" in f.found for f in report.findings)
