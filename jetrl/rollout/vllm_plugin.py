@@ -11,7 +11,8 @@ unchanged when the engine is started with ``quantization="jetrl_fp8"`` (`overrid
 and fused ``qkv_proj`` / ``gate_up_proj`` shards stack along N through vLLM's own fused loaders (each
 shard's N must be a multiple of 128 so its scale rows stack too). A BF16 checkpoint loads into a BF16
 ``weight`` that is quantized once after loading (`methods.block_quantize_weight`). ``apply`` is
-`jetrl.gemm.linear_fp8` (`methods.block_forward`): the trainer's own fprop op.
+`jetrl.gemm.linear_fp8` (`methods.block_forward`): the trainer's own fprop op, wrapped as the opaque
+torch op ``jetrl::rollout_linear_fp8`` so vLLM's torch.compile / CUDA graphs see one node.
 
 ``jetrl_fp8_naive`` (recipe ``naive-fp8-rollout``): BF16 weights quantized per (fused) tensor after
 loading, per-token activations, emulated (`methods.naive_forward`).
@@ -62,7 +63,22 @@ __all__ = [
     "JetFP8LinearMethod",
     "JetFP8NaiveLinearMethod",
     "JetBF16LinearMethod",
+    "rollout_linear_fp8",
 ]
+
+
+@torch.library.custom_op("jetrl::rollout_linear_fp8", mutates_args=())
+def rollout_linear_fp8(
+    x: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor, bias: torch.Tensor | None, backend: str, name: str
+) -> torch.Tensor:
+    """`jetrl.gemm.linear_fp8` as one opaque torch op, so vLLM's torch.compile (fullgraph) and CUDA-graph
+    capture treat the jetrl_fp8 Linear as a single node whatever the GEMM backend does inside."""
+    return block_forward(x, w_q, w_s, bias, backend=backend, name=name).contiguous()
+
+
+@rollout_linear_fp8.register_fake
+def _(x, w_q, w_s, bias, backend, name):
+    return x.new_empty((*x.shape[:-1], w_q.shape[0]))
 
 
 def _unfused_names(prefix: str, packed: dict[str, list[str]]) -> list[str]:
@@ -245,8 +261,8 @@ class JetFP8LinearMethod(_JetLinearBase):
         layer._jetrl_processed = True
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return block_forward(
-            x, layer.weight, layer.weight_scale_inv, bias, backend=self.cfg.backend, name=f"{self.prefix}:input"
+        return rollout_linear_fp8(
+            x, layer.weight, layer.weight_scale_inv, bias, self.cfg.backend, f"{self.prefix}:input"
         )
 
 

@@ -194,3 +194,21 @@ def test_stock_block_fp8_is_refused_here_with_the_reason(tmp_path):
 
     with pytest.raises(RuntimeError, match="AMX"):
         create_engine(tmp_path, "jetrl-unified", seed=0, max_model_len=64, rollout="stock")
+
+
+def test_rollout_linear_op_is_linear_fp8_and_traces_as_one_node():
+    pytest.importorskip("vllm")
+    from jetrl.gemm import linear_fp8
+    from jetrl.rollout.vllm_plugin import rollout_linear_fp8
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 256, generator=g).to(torch.bfloat16)
+    wq, ws = quantize_128x128(torch.randn(384, 256, generator=g) * 0.05)
+    bias = torch.randn(384, generator=g).to(torch.bfloat16)
+    want = linear_fp8(x, wq, ws, bias, backend="emulated", name="x")
+    got = rollout_linear_fp8(x, wq, ws, bias, "emulated", "x")
+    assert torch.equal(got, want) and got.shape == (2, 3, 384)
+    compiled = torch.compile(
+        lambda a: rollout_linear_fp8(a, wq, ws, None, "emulated", "x"), fullgraph=True, backend="eager"
+    )
+    assert torch.equal(compiled(x), linear_fp8(x, wq, ws, None, backend="emulated", name="x"))
