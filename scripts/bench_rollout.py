@@ -103,17 +103,28 @@ def _device_name() -> str:
     return f"CPU ({platform.processor()})"
 
 
-def _decode(engine, batch: int, in_len: int, out_len: int, vocab: int, seed: int) -> dict:
+def _decode(engine, batch: int, in_len: int, out_len: int, vocab: int, seed: int, repeats: int) -> dict:
+    """Median decode throughput over `repeats` timed runs (after one warm-up) of `batch` random prompts."""
+    import statistics
+
     import torch
 
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(3, vocab, (batch, in_len), generator=g).tolist()
-    engine.generate(prompts[: min(batch, 4)], max_tokens=4, seed=seed, ignore_eos=True)  # warm-up
-    t0 = time.perf_counter()
-    samples = engine.generate(prompts, max_tokens=out_len, seed=seed, ignore_eos=True)
-    dt = time.perf_counter() - t0
-    n = sum(len(s.response_ids) for s in samples)
-    return {"batch": batch, "input_len": in_len, "output_len": out_len, "tokens": n, "seconds": dt, "tok_s": n / dt}
+    engine.generate(prompts, max_tokens=min(out_len, 8), seed=seed, ignore_eos=True)  # warm-up at this batch
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        samples = engine.generate(prompts, max_tokens=out_len, seed=seed, ignore_eos=True)
+        dt = time.perf_counter() - t0
+        runs.append(sum(len(s.response_ids) for s in samples) / dt)
+    return {
+        "batch": batch,
+        "input_len": in_len,
+        "output_len": out_len,
+        "tok_s": statistics.median(runs),
+        "tok_s_runs": runs,
+    }
 
 
 def _model_dir(args, tmp: Path) -> tuple[Path, int]:
@@ -162,6 +173,8 @@ def run(args) -> dict:
         "model": "tiny-qwen3 (jetrl.tiny)" if args.tiny else "Llama-3.1-8B shape, random weights",
         "backend": args.backend,
         "enforce_eager": args.enforce_eager,
+        "repeats": args.repeats,
+        "tok_s_note": "median of repeats; decode = prompts of input_len random ids, output_len tokens, ignore_eos",
         "decode": {},
         "engine_start_s": {},
         "sync": {},
@@ -194,7 +207,7 @@ def run(args) -> dict:
             )
             result["engine_start_s"][mode] = engine.start_seconds
             print(f"[{mode}] engine start {engine.start_seconds:.1f} s ({engine.quantization})", flush=True)
-            result["decode"][mode] = [_decode(engine, b, i, o, vocab, seed=0) for b, i, o in shapes]
+            result["decode"][mode] = [_decode(engine, b, i, o, vocab, 0, args.repeats) for b, i, o in shapes]
             if mode in args.sync_modes:
                 trainer = _trainer(args, recipe)
                 reports = [sync_weights(trainer, engine, recipe).to_dict() for _ in range(2)]
@@ -246,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default=None, help="jetrl.gemm backend (default: emulated with --tiny, else auto)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / torch.compile (always on CPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.45)
+    p.add_argument("--repeats", type=int, default=3, help="timed decode runs per shape (median reported)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--out", default=None, help="JSON path (default scripts/results/rollout-<cpu|gpu>.json)")
     args = p.parse_args(argv)
