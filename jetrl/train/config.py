@@ -283,6 +283,11 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
             raise _fail(path, f"expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "2e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise _fail(path, f"expected a number, got {value!r}") from None
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise _fail(path, f"expected a number, got {value!r}")
         return float(value)

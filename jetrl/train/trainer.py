@@ -141,7 +141,10 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         cfg_path.write_text(json.dumps(self.cfg.to_dict(), indent=2))
 
-    def _setup(self) -> None:
+    def setup(self) -> None:
+        """Warm-up checkpoint, model + conversion, optimizer (+ resume), engine, lint, first sync."""
+        if self.engine is not None:
+            return
         cfg = self.cfg
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
@@ -435,7 +438,7 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         t_start = time.perf_counter()
-        self._setup()
+        self.setup()
         cfg = self.cfg
         if self.start_step == 0:
             self.state["eval_start"] = self._evaluate()

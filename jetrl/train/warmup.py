@@ -72,7 +72,7 @@ def supervised_warmup(model, tok, task: ArithmeticTask, *, steps: int, batch_siz
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if log and (step + 1) % max(1, steps // 5) == 0:
             log(f"warm-up {step + 1}/{steps}: loss {sum(losses[-20:]) / len(losses[-20:]):.3f}")
     model.eval()

