@@ -44,6 +44,7 @@ __all__ = [
     "Sample",
     "ParamInfo",
     "create_engine",
+    "layer_mode",
     "stock_vllm_settings",
     "stock_block_fp8_unavailable_reason",
 ]
@@ -84,7 +85,24 @@ class ParamInfo:
     vocab: bool
     """True for (padded) vocabulary embeddings / lm_head: rows beyond the trainer's vocab are padding."""
     jetrl_mode: str | None
-    """"block" / "naive" for a layer of the jetrl methods, None otherwise."""
+    """`layer_mode` of the owning module: "block" / "naive" / "bf16", or None (not a synced Linear kind)."""
+
+
+def layer_mode(mod) -> str | None:
+    """How the weight sync treats a vLLM module's parameters: the jetrl method's mode ("block", "naive",
+    "bf16"), "block" for stock vLLM's ``Fp8LinearMethod`` with 128x128 blocks (same ``weight`` +
+    ``weight_scale_inv`` layout: stock-vLLM mode gets the same byte-verified sync), "stock-online-fp8" for
+    vLLM's online per-tensor FP8 (which keeps transposed weights: not syncable in place), else None."""
+    mode = getattr(mod, "jetrl_mode", None)
+    if mode is not None:
+        return mode
+    method = type(getattr(mod, "quant_method", None)).__name__
+    if method == "Fp8LinearMethod" and getattr(getattr(mod, "quant_method", None), "block_quant", False):
+        if list(getattr(mod, "weight_block_size", None) or []) == [128, 128]:
+            return "block"
+    if method == "Fp8PerTensorOnlineLinearMethod" or (method == "Fp8LinearMethod" and hasattr(mod, "weight_scale")):
+        return "stock-online-fp8"
+    return None
 
 
 def _as_recipe(recipe: Recipe | str) -> Recipe:
@@ -291,7 +309,7 @@ class Engine:
                         tuple(p.shape),
                         str(p.dtype).removeprefix("torch."),
                         isinstance(mod, VocabParallelEmbedding),
-                        getattr(mod, "jetrl_mode", None),
+                        layer_mode(mod),
                     )
             return out
 

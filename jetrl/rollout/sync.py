@@ -177,6 +177,11 @@ def plan_sync(payload: dict, param_info: dict, packed: dict[str, list[str]]) -> 
             raise WeightSyncError(f"{hf_name}: engine has no parameter {target}")
         info = param_info[target]
         mode = info.jetrl_mode
+        if mode == "stock-online-fp8":
+            raise WeightSyncError(
+                f"{hf_name}: engine parameter {target} belongs to vLLM's online per-tensor FP8 method, which keeps "
+                "re-laid-out weights; sync into rollout='jetrl' (jetrl_fp8_naive) instead"
+            )
         rows = rows_of(val)
         if isinstance(val, tuple):
             q, s = val

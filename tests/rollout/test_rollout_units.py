@@ -212,3 +212,30 @@ def test_rollout_linear_op_is_linear_fp8_and_traces_as_one_node():
         lambda a: rollout_linear_fp8(a, wq, ws, None, "emulated", "x"), fullgraph=True, backend="eager"
     )
     assert torch.equal(compiled(x), linear_fp8(x, wq, ws, None, backend="emulated", name="x"))
+
+
+def test_layer_mode_treats_stock_block_fp8_like_jetrl_fp8():
+    from jetrl.rollout.adapter import layer_mode
+
+    class Fp8LinearMethod:  # stand-in named like vLLM's; layer_mode dispatches on the class name
+        def __init__(self, block_quant):
+            self.block_quant = block_quant
+
+    class Fp8PerTensorOnlineLinearMethod:
+        pass
+
+    def layer(method, **attrs):
+        mod = torch.nn.Module()
+        mod.quant_method = method
+        for k, v in attrs.items():
+            setattr(mod, k, v)
+        return mod
+
+    assert layer_mode(layer(Fp8LinearMethod(True), weight_block_size=[128, 128])) == "block"
+    assert layer_mode(layer(Fp8LinearMethod(True), weight_block_size=[128, 64])) is None
+    assert layer_mode(layer(Fp8PerTensorOnlineLinearMethod())) == "stock-online-fp8"
+    assert layer_mode(layer(None, jetrl_mode="naive")) == "naive"
+    assert layer_mode(torch.nn.LayerNorm(4)) is None
+    name = "model.layers.0.mlp.down_proj.weight"
+    with pytest.raises(WeightSyncError, match="online per-tensor FP8"):
+        plan_sync({name: torch.zeros(256, 512)}, {name: _info((512, 256), "float8_e4m3fn", "stock-online-fp8")}, PACKED)
