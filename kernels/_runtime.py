@@ -1,7 +1,8 @@
 """Shared launcher plumbing for the jetrl Triton kernels: the non-finite flag, scale layouts, checks.
 
 Non-finite detection on CUDA costs one predicated store per program: every kernel tests its tile
-(``|x| < inf`` is false for NaN and +-Inf) and, if anything failed, writes 1 into its own int32 slot
+(`count_nonfinite`: exponent bits all ones, an integer test no fast-math folding can drop) and, if
+anything failed, writes 1 into its own int32 slot
 of a per-device flag buffer. A slot belongs to one ``(op, tensor name)`` pair (registered on the host
 when the launcher runs, reused on the next step), so `check_nonfinite` — one device-to-host copy the
 caller makes once per step — can say which op saw which tensor go bad. Nothing synchronises inside
@@ -16,6 +17,8 @@ from __future__ import annotations
 import threading
 
 import torch
+import triton
+import triton.language as tl
 
 from jetrl.quant import NonFiniteError, ceil_div
 from jetrl.recipe import BLOCK
@@ -28,6 +31,7 @@ __all__ = [
     "scale_buffer",
     "to_scale_layout",
     "check_matrix",
+    "count_nonfinite",
 ]
 
 SCALE_LAYOUTS = ("row", "deepgemm")
@@ -132,3 +136,11 @@ def check_matrix(x: torch.Tensor, name: str, op: str, *, inner_contiguous: bool 
 def groups(k: int) -> int:
     """Number of 128-wide groups covering k."""
     return ceil_div(k, BLOCK)
+
+
+@triton.jit
+def count_nonfinite(x):
+    """Number of NaN/Inf elements of an fp32 tile, tested on the exponent bits (all ones) so no
+    floating-point comparison can be folded away by the compiler."""
+    bits = x.to(tl.int32, bitcast=True) & 0x7F800000
+    return tl.sum(tl.ravel(tl.where(bits == 0x7F800000, 1, 0)), axis=0)

@@ -1,4 +1,4 @@
-"""128x128 weight quantization, optionally writing the transposed bytes in the same pass.
+"""128x128 weight quantization, optionally also returning the transposed bytes and scale grid.
 
 Math: `jetrl.quant.quantize_128x128` — one scale per 128x128 block of ``W [N, K]``,
 ``s = max(amax, eps) / 448`` (``tl.math.div_rn``), ``q = e4m3_rne(clamp(w / s, -448, 448))``;
@@ -6,12 +6,18 @@ edge blocks take the amax of their valid elements only (masked lanes load 0).
 
 Block quantization is transpose invariant (NUMERICS.md section 1): the bytes of ``W^T`` are the
 transpose of the bytes of ``W`` and its scale grid is the transpose of W's. DGrad needs ``W^T``
-K-major (DeepGEMM on sm_90 only has the NT layout), so ``with_transpose=True`` makes each program
-store its quantized tile twice — once at ``[n, k]`` and once at ``[k, n]`` (Triton routes the second
-store through shared memory so both are coalesced) — and its scale at ``s[nb, kb]`` and
-``s_t[kb, nb]``. One read of W, no second quantization.
+K-major (DeepGEMM on sm_90 only has the NT layout), so ``with_transpose=True`` also returns
+``q_t [K, N]`` and ``s_t``, with no second quantization: the quantize kernel writes ``s_t`` beside
+``s``, and a byte-transpose kernel writes ``q_t`` from ``q``.
 
-Tiling: one program per 128x128 block (32 KiB of bf16 in registers across 8 warps).
+Rejected: storing each quantized tile twice (at ``[n, k]`` and at ``[k, n]``) from the same
+program. On the H200 with Triton 3.6 that miscompiles for fp32 input — 25-37% of the q_t bytes come
+out wrong (bf16/fp16 input was correct), with or without a barrier between the stores — while a
+single transposed store per kernel is correct for every dtype. The byte transpose costs one extra
+read and write of N*K bytes; weights are quantized once per optimizer step.
+
+Tiling: one program per 128x128 block, in two passes over CHUNK_N-row chunks (amax, then divide
+and store; the second read hits L2), which keeps registers low enough for several programs per SM.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import triton.language as tl
 from jetrl import quant
 from jetrl.recipe import BLOCK, DEFAULT_EPS, E4M3_MAX
 
-from ._runtime import check_matrix, groups, nonfinite_flag
+from ._runtime import check_matrix, count_nonfinite, groups, nonfinite_flag
 
 __all__ = ["quantize_128x128", "torch_quantize_128x128", "launch_quantize_128x128"]
 
@@ -35,7 +41,6 @@ def _quantize_128x128_kernel(
     w_ptr,
     q_ptr,
     s_ptr,
-    qt_ptr,
     st_ptr,
     pre_ptr,
     flag_ptr,
@@ -47,42 +52,55 @@ def _quantize_128x128_kernel(
     KB,
     EPS: tl.constexpr,
     FP8_MAX: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    CHUNK_N: tl.constexpr,
     WITH_T: tl.constexpr,
     STORE_PRECAST: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
-    rows = offs_n.to(tl.int64)[:, None]
+    offs_k = pid_k * BLOCK + tl.arange(0, BLOCK)
+    mask_k = offs_k < K
 
-    # load the block; padding lanes read 0 and cannot raise the amax
-    w = tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-    aw = tl.abs(w)
-
-    # non-finite detection (|w| < inf is false for NaN and +-Inf)
-    n_bad = tl.sum(tl.sum(tl.where(aw < float("inf"), 0, 1), axis=1), axis=0)
+    # pass 1: amax of the block, CHUNK_N rows at a time (padding lanes read 0); count non-finite
+    amax = tl.zeros([CHUNK_N], dtype=tl.float32)
+    n_bad = tl.full([], 0, tl.int32)
+    for c in range(0, BLOCK, CHUNK_N):
+        offs_n = pid_n * BLOCK + c + tl.arange(0, CHUNK_N)
+        mask = (offs_n[:, None] < N) & mask_k[None, :]
+        w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0)
+        w = w.to(tl.float32)
+        amax = tl.maximum(amax, tl.max(tl.abs(w), axis=1))
+        n_bad += count_nonfinite(w)
     tl.store(flag_ptr + flag_slot, 1, mask=n_bad > 0)
 
     # one scale per block, correctly rounded
-    amax = tl.max(tl.max(aw, axis=1), axis=0)
-    s = tl.math.div_rn(tl.maximum(amax, EPS), FP8_MAX)
-
-    # quantize: true division, clamp, RNE cast
-    y = tl.math.div_rn(w, tl.full([BLOCK_N, BLOCK_K], 1.0, tl.float32) * s)
-    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
-    q = y.to(tl.float8e4nv)
-    tl.store(q_ptr + rows * K + offs_k[None, :], q, mask=mask)
+    s = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), EPS), FP8_MAX)
     tl.store(s_ptr + pid_n * KB + pid_k, s)
     if WITH_T:
-        # the same bytes at [k, n] of the [K, N] transposed operand, and the transposed scale grid
-        tl.store(qt_ptr + offs_k.to(tl.int64)[None, :] * N + offs_n[:, None], q, mask=mask)
         tl.store(st_ptr + pid_k * NB + pid_n, s)
-    if STORE_PRECAST:
-        tl.store(pre_ptr + rows * K + offs_k[None, :], y, mask=mask)
+
+    # pass 2: re-read the chunks (L2-resident) and quantize: true division, clamp, RNE cast
+    for c in range(0, BLOCK, CHUNK_N):
+        offs_n = pid_n * BLOCK + c + tl.arange(0, CHUNK_N)
+        mask = (offs_n[:, None] < N) & mask_k[None, :]
+        rows = offs_n.to(tl.int64)[:, None]
+        w = tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = tl.math.div_rn(w, tl.full([CHUNK_N, BLOCK], 1.0, tl.float32) * s)
+        y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+        tl.store(q_ptr + rows * K + offs_k[None, :], y.to(tl.float8e4nv), mask=mask)
+        if STORE_PRECAST:
+            tl.store(pre_ptr + rows * K + offs_k[None, :], y, mask=mask)
+
+
+@triton.jit
+def _transpose_bytes_kernel(q_ptr, qt_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # q_t[k, n] = q[n, k] for a [BLOCK_N, BLOCK_K] tile of raw bytes
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
+    b = tl.load(q_ptr + offs_n.to(tl.int64)[:, None] * K + offs_k[None, :], mask=mask, other=0)
+    tl.store(qt_ptr + offs_k.to(tl.int64)[None, :] * N + offs_n[:, None], b, mask=mask)
 
 
 def launch_quantize_128x128(
@@ -90,7 +108,8 @@ def launch_quantize_128x128(
     with_transpose: bool = False,
     name: str = "w",
     precast: torch.Tensor | None = None,
-    num_warps: int = 8,
+    num_warps: int = 4,
+    chunk_n: int = 32,
 ) -> tuple[torch.Tensor, ...]:
     """Run the Triton kernel.
 
@@ -117,7 +136,6 @@ def launch_quantize_128x128(
             w,
             q,
             s,
-            q_t,
             s_t,
             precast if precast is not None else q,
             flag,
@@ -129,12 +147,17 @@ def launch_quantize_128x128(
             kb,
             EPS=DEFAULT_EPS,
             FP8_MAX=E4M3_MAX,
-            BLOCK_N=BLOCK,
-            BLOCK_K=BLOCK,
+            BLOCK=BLOCK,
+            CHUNK_N=chunk_n,
             WITH_T=with_transpose,
             STORE_PRECAST=precast is not None,
             num_warps=num_warps,
         )
+        if with_transpose:
+            # bytes transposed by a second kernel: see the module docstring for why not fused
+            _transpose_bytes_kernel[(triton.cdiv(n, 64), triton.cdiv(k, 64))](
+                q.view(torch.uint8), q_t.view(torch.uint8), n, k, BLOCK_N=64, BLOCK_K=64, num_warps=4
+            )
     return (q, s, q_t, s_t) if with_transpose else (q, s)
 
 

@@ -23,7 +23,15 @@ import triton.language as tl
 from jetrl import quant
 from jetrl.recipe import BLOCK, DEFAULT_EPS, E4M3_MAX
 
-from ._runtime import SCALE_LAYOUTS, check_matrix, groups, nonfinite_flag, scale_buffer, to_scale_layout
+from ._runtime import (
+    SCALE_LAYOUTS,
+    check_matrix,
+    count_nonfinite,
+    groups,
+    nonfinite_flag,
+    scale_buffer,
+    to_scale_layout,
+)
 
 __all__ = ["quantize_1x128", "torch_quantize_1x128", "launch_quantize_1x128"]
 
@@ -62,8 +70,8 @@ def _quantize_1x128_kernel(
     x = tl.load(x_ptr + rows * stride_xm + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
     ax = tl.abs(x)
 
-    # non-finite detection: |x| < inf is false for NaN and +-Inf; one predicated store per program
-    n_bad = tl.sum(tl.sum(tl.where(ax < float("inf"), 0, 1), axis=1), axis=0)
+    # non-finite detection: exponent bits all ones; one predicated store per program
+    n_bad = count_nonfinite(x)
     tl.store(flag_ptr + flag_slot, 1, mask=n_bad > 0)
 
     # scale per group: max(amax, eps) / 448, correctly rounded

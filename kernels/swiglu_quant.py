@@ -29,7 +29,15 @@ import triton.language as tl
 from jetrl import quant
 from jetrl.recipe import BLOCK, DEFAULT_EPS, E4M3_MAX
 
-from ._runtime import SCALE_LAYOUTS, check_matrix, groups, nonfinite_flag, scale_buffer, to_scale_layout
+from ._runtime import (
+    SCALE_LAYOUTS,
+    check_matrix,
+    count_nonfinite,
+    groups,
+    nonfinite_flag,
+    scale_buffer,
+    to_scale_layout,
+)
 
 __all__ = [
     "swiglu_quant",
@@ -92,7 +100,7 @@ def _swiglu_quant_kernel(
     ah = tl.abs(hf)
 
     # non-finite detection on what gets quantized (NaN/Inf in gate or up propagate into h)
-    n_bad = tl.sum(tl.sum(tl.where(ah < float("inf"), 0, 1), axis=1), axis=0)
+    n_bad = count_nonfinite(hf)
     tl.store(flag_ptr + flag_slot, 1, mask=n_bad > 0)
 
     # 1x128 quantization of the stored h
@@ -158,7 +166,7 @@ def launch_swiglu_quant(
     scale_layout: str = "row",
     name: str = "x",
     precast: torch.Tensor | None = None,
-    block_m: int = 32,
+    block_m: int = 16,
     num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the fused forward kernel.

@@ -41,7 +41,7 @@ import triton.language as tl
 from jetrl import quant
 from jetrl.recipe import BLOCK, DEFAULT_EPS, E4M3_MAX
 
-from ._runtime import check_matrix, groups, nonfinite_flag
+from ._runtime import check_matrix, count_nonfinite, groups, nonfinite_flag
 
 __all__ = [
     "transpose_quantize",
@@ -89,13 +89,15 @@ def _transpose_quantize_kernel(
     # load a [128 tokens, BLOCK_K] tile (row reads); padding tokens read 0
     x = tl.load(x_ptr + rows * stride_xm + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
     if FROM_FP8:
-        # dequantize the saved 1x128 activation: fp32 q * s of the value's row group
-        xs = tl.load(xs_ptr + rows * stride_xsm + (offs_k // GROUP)[None, :] * stride_xsg, mask=mask, other=0.0)
-        x = x * xs
+        # dequantize the saved 1x128 activation: fp32 q * s; BLOCK_K divides 128, so the whole
+        # tile lies in one K group and needs one scale per row
+        g_col = (pid_k * BLOCK_K) // GROUP
+        xs = tl.load(xs_ptr + offs_m * stride_xsm + g_col * stride_xsg, mask=offs_m < M, other=0.0)
+        x = x * xs[:, None]
     ax = tl.abs(x)
 
-    # non-finite detection (|x| < inf is false for NaN and +-Inf)
-    n_bad = tl.sum(tl.sum(tl.where(ax < float("inf"), 0, 1), axis=1), axis=0)
+    # non-finite detection (exponent bits all ones)
+    n_bad = count_nonfinite(x)
     tl.store(flag_ptr + flag_slot, 1, mask=n_bad > 0)
 
     # one scale per column of the tile (a 128-token group of X^T's row k)
@@ -122,6 +124,7 @@ def _launch(x, xs, name, op, precast, block_k=64, num_warps=4):
         assert precast.shape == (k, m) and precast.dtype == torch.float32 and precast.is_contiguous(), (
             f"{op}: precast must be a contiguous float32 [{k}, {m}] buffer"
         )
+    assert BLOCK % block_k == 0, f"{op}: block_k={block_k} must divide {BLOCK}"
     if x.numel() == 0:
         return q_t, s_t
     flag, slot = nonfinite_flag(op, name, dev)

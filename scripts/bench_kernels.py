@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import os
 import re
@@ -25,12 +26,13 @@ import triton
 from triton.testing import do_bench
 
 import jetrl.kernels as K
-from jetrl.kernels import quantize_1x128 as q1
-from jetrl.kernels import quantize_128x128 as q128
-from jetrl.kernels import rmsnorm_quant as rq
-from jetrl.kernels import swiglu_quant as sq
-from jetrl.kernels import transpose_quantize as tq
 from jetrl.quant import ceil_div
+
+# the op modules (jetrl.kernels re-exports functions of the same names, so import the modules by path)
+q1, q128, rq, sq, tq = (
+    importlib.import_module(f"jetrl.kernels.{m}")
+    for m in ("quantize_1x128", "quantize_128x128", "rmsnorm_quant", "swiglu_quant", "transpose_quantize")
+)
 
 MS = (4096, 16384)
 KS = (4096, 14336)

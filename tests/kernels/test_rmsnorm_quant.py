@@ -127,7 +127,8 @@ def test_fake_impl_shapes():
     assert y.dtype == torch.bfloat16 and q.dtype == torch.float8_e4m3fn
 
 
-_INTERP = [(m, k, d, kind) for (m, k) in INTERP_SHAPES + [(3, 1000)] for d in DTYPES for kind in KINDS]
+# (2, 5000): K > 4096 takes the two-pass chunked path
+_INTERP = [(m, k, d, kind) for (m, k) in INTERP_SHAPES + [(3, 1000), (2, 5000)] for d in DTYPES for kind in KINDS]
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +202,9 @@ def test_gpu(m, k, kind):
             q_ref, s_ref = quant.quantize_1x128(y)
             assert_bitwise("bytes", q, q_ref, f"{ctx} {layout}")
             assert_bitwise("scales", s, s_ref, f"{ctx} {layout}")
-        assert_close_ulps("y", y, y_ref, 1.0, ctx)
+        # a 1-ulp rstd difference moves n = (x * rstd).to(dtype) by 1 ulp, which weight * n can
+        # turn into 2-3 ulp of y; fp32 y moves with rstd directly
+        assert_close_ulps("y", y, y_ref, 8.0 if d == "fp32" else 3.0, ctx)
         torch.testing.assert_close(rstd, rstd_ref, rtol=1e-6, atol=0, msg=lambda m_, c=ctx: f"rstd {c}: {m_}")
         dy = make_input(m, k, dtype, "randn", seed=11, device="cuda")
         dx, dw = K.rmsnorm_backward(dy, x, w, rstd)

