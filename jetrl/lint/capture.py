@@ -118,10 +118,37 @@ class _OpMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if isinstance(func, torch._ops.OpOverload) and func.namespace == "jetrl":
-            self.rec._on_op(f"jetrl::{func._opname}", args, out)
+        if not (isinstance(func, torch._ops.OpOverload) and func.namespace == "jetrl"):
+            return func(*args, **kwargs)
+        name = f"jetrl::{func._opname}"
+        impl = None if name in OP_SPECS else _composite_impl(name, args)
+        if impl is not None:
+            # A composite jetrl op (the rollout's jetrl::rollout_linear_fp8 wraps linear_fp8 as one opaque
+            # node for torch.compile): a mode is switched off while its handler runs, so calling the op
+            # would hide the quantizers inside it. Run its Python body (what the dispatcher would run)
+            # with this mode switched back on instead, so they are observed too.
+            with self:
+                out = impl(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        self.rec._on_op(name, args, out)
         return out
+
+
+def _composite_impl(name: str, args: Any):
+    """The Python implementation of a ``torch.library.custom_op`` for the device of `args`, or None
+    (unknown op, or autograd would be needed: then the op is called as is and its inside not observed)."""
+    from torch._library import custom_ops
+
+    opdef = custom_ops.OPDEFS.get(name)
+    t = _first_tensor(list(args))
+    if (
+        opdef is None
+        or t is None
+        or (torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args))
+    ):
+        return None
+    return opdef._backend_fns.get(t.device.type) or opdef._init_fn
 
 
 def _first_tensor(obj: Any) -> torch.Tensor | None:

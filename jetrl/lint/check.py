@@ -19,7 +19,7 @@ others in ``also``), so a setting that breaks every Linear reads as one line, no
 
 from __future__ import annotations
 
-from jetrl.lint.ir import Edge, Graph, OpKind
+from jetrl.lint.ir import Edge, Graph, Node, OpKind
 from jetrl.lint.report import Finding, Severity, group_findings
 
 __all__ = ["check", "spec_differences"]
@@ -79,11 +79,13 @@ def check(training: Graph, rollout: Graph) -> list[Finding]:
                 continue
             if edge.precision.same_values(tedge.precision):
                 continue
-            findings.append(_mismatch(node.kind, node.module, tnode.module, port, tedge, edge, engine))
+            r_mod = node.attr("engine_module", node.module)
+            findings.append(_mismatch(node, r_mod, tnode.module, port, tedge, edge, engine))
     return group_findings(findings)
 
 
-def _mismatch(kind: OpKind, r_mod: str, t_mod: str, port: str, tedge: Edge, redge: Edge, engine: str) -> Finding:
+def _mismatch(node: Node, r_mod: str, t_mod: str, port: str, tedge: Edge, redge: Edge, engine: str) -> Finding:
+    kind = node.kind
     exp, got = tedge.precision, redge.precision
     common = dict(rollout_module=r_mod, training_module=t_mod, tensor=port, expected=exp.label(), found=got.label())
     if port == "kv":
@@ -105,7 +107,7 @@ def _mismatch(kind: OpKind, r_mod: str, t_mod: str, port: str, tedge: Edge, redg
             "quantized-one-side",
             f"{what} {t_mod}: the {tensor} is quantized in {side_q} only "
             f"({side_b} keeps it {(exp if got.quantized else got).dtype})",
-            fix=_fix_one_side(t_mod, r_mod, tedge, redge, engine),
+            fix=_fix_one_side(t_mod, node.attr("fused_parts", ()), tedge, redge, engine),
             **common,
         )
     if not got.quantized:
@@ -178,11 +180,13 @@ def _fix_spec(diffs: list[str], redge: Edge, port: str, tensor: str, engine: str
     )
 
 
-def _fix_one_side(t_mod: str, r_mod: str, tedge: Edge, redge: Edge, engine: str) -> str:
+def _fix_one_side(t_mod: str, fused_parts: tuple[str, ...], tedge: Edge, redge: Edge, engine: str) -> str:
     leaf = t_mod.rsplit(".", 1)[-1]
     if redge.precision.quantized:  # quantized in rollout only
         if engine == "stock-vllm":
-            how = f"add '{t_mod}' to quantization_config.ignored_layers"
+            names = fused_parts or (t_mod,)
+            fused = " (all parts of the fused Linear: vLLM refuses a partly ignored one)" if fused_parts else ""
+            how = f"add {', '.join(repr(n) for n in names)} to quantization_config.ignored_layers{fused}"
         else:
             how = f"add '{leaf}' to the rollout's keep_bf16 (Recipe.keep_bf16)"
         why = f" (training keeps it BF16: {tedge.origin})" if tedge.origin else ""

@@ -19,6 +19,9 @@ sharded engine computes different values than the separate training ops would):
    equals the op's output dtype), which is what a separate quantizer would read.
 4. **Module names.** vLLM's ``self_attn.attn`` is the attention core of HF's ``self_attn``.
 
+Rewritten nodes keep the engine's own module path in the attribute ``engine_module`` (and the parts
+of a split fused Linear in ``fused_parts``), so findings can name both modules.
+
 `normalize(graph)` applies them in that order and returns the canonical graph, the findings of
 rules whose condition failed, and the list of rules applied (with their conditions) for the report.
 """
@@ -96,7 +99,7 @@ def _merge_tp(g: Graph, findings: list[Finding]) -> int:
                         f"{BLOCK} ({detail}): 128-wide quantization groups straddle ranks, so each rank "
                         f"quantizes different groups than the unsharded training Linear",
                         rollout_module=node.module,
-                        training_module=node.module,
+                        training_module=_hf_names(node),
                         tensor="w" if split == "N" else "x, w",
                         expected=f"shards of a multiple of {BLOCK} along {split}",
                         found=detail,
@@ -106,6 +109,15 @@ def _merge_tp(g: Graph, findings: list[Finding]) -> int:
                 )
         g.replace_node(node.with_attrs(tp_size=None, tp_split=None, tp_shards=None))
     return count
+
+
+def _hf_names(node: Node) -> str:
+    """The HF module(s) a (possibly fused) engine Linear computes."""
+    parts = node.attr("parts")
+    if not parts:
+        return node.module
+    prefix = node.module.rsplit(".", 1)[0]
+    return ", ".join(f"{prefix}.{name}" for name, _ in parts)
 
 
 # -- rule 2: fused projections ---------------------------------------------------------------------
@@ -169,6 +181,8 @@ def _split_fused(g: Graph, findings: list[Finding]) -> int:
             attrs.pop("parts", None)
             attrs["n"] = n
             attrs["fused_from"] = node.module
+            attrs["fused_parts"] = tuple(f"{prefix}.{nm}" for nm, _ in parts)
+            attrs.setdefault("engine_module", node.module)
             new = g.add_node(node.kind, mod, node.role, **attrs)
             first = first or new.id
             for p in x_ports:
@@ -252,7 +266,8 @@ def _apply_rename(g: Graph, fn: Callable[[str], str]) -> int:
         mod = fn(n.module)
         new_id = node_id(mod, n.kind, n.role) if mod != n.module else nid
         mapping[nid] = new_id
-        nodes[new_id] = Node(new_id, n.kind, mod, n.role, n.attrs)
+        attrs = n.attrs if mod == n.module or n.attr("engine_module") else (*n.attrs, ("engine_module", n.module))
+        nodes[new_id] = Node(new_id, n.kind, mod, n.role, tuple(sorted(attrs)))
     changed = sum(1 for a, b in mapping.items() if a != b)
     if changed:
         g.nodes = nodes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -35,7 +36,8 @@ class Finding:
     fix: str = ""
     """The concrete change that removes the finding (env var, recipe field, layer to exclude)."""
     also: tuple[str, ...] = ()
-    """Further rollout modules with exactly the same finding (grouped to keep reports readable)."""
+    """Further modules (training names where there is one) with exactly the same finding, grouped to keep
+    reports readable."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -140,8 +142,11 @@ def group_findings(findings: list[Finding]) -> list[Finding]:
     name): the first keeps its modules, the others are listed in ``also``."""
     groups: dict[tuple, list[Finding]] = {}
     for f in findings:
-        leaf = f.training_module.rsplit(".", 1)[-1]
-        fix = f.fix.replace(f.training_module, "<m>").replace(f"'{leaf}'", "<leaf>") if leaf else f.fix
+        fix = f.fix
+        for mod in (f.training_module, f.rollout_module):
+            leaf = mod.rsplit(".", 1)[-1]
+            fix = fix.replace(mod, "<m>").replace(f"'{leaf}'", "<leaf>") if leaf else fix
+        fix = re.sub(r"model\.layers\.\d+\.", "<layer>.", fix)
         key = (f.severity, f.code, f.tensor, f.expected, f.found, fix)
         groups.setdefault(key, []).append(f)
     out = []
@@ -161,7 +166,7 @@ def group_findings(findings: list[Finding]) -> list[Finding]:
                     first.expected,
                     first.found,
                     first.fix,
-                    tuple(f.rollout_module or f.training_module for f in fs[1:]),
+                    tuple(f.training_module or f.rollout_module for f in fs[1:]),
                 )
             )
     return out

@@ -27,6 +27,9 @@ def test_unified_setup_passes_graph_and_numeric(tiny_ckpt, probe, unified_traini
     assert graph.ok and graph.findings == [], graph.table()
     assert graph.rollout_summary["n_quantized_linears"] == 14
     assert any("qkv_proj" in r for r in graph.normalizations)
+    # the rollout's activation label is observed (the engine's quantizer op ran inside its Linear), not declared
+    x_edges = [e for e in graph.graphs["rollout"]["edges"] if e["dst"].endswith("q_proj:fprop") and e["port"] == "x"]
+    assert x_edges and all(e["precision"]["producer"] == "jetrl::quantize_1x128" for e in x_edges)
     report = lint(
         tiny_ckpt, "jetrl-unified", numeric=True, engine=unified_engine, training=unified_training, probe=probe
     )
@@ -72,7 +75,7 @@ def test_projection_excluded_in_training_but_quantized_in_rollout(tiny_ckpt, pro
     found = [f for f in report.findings if f.code == "quantized-one-side"]
     assert {f.training_module for f in found} == {"model.layers.0.mlp.up_proj"}, report.table()
     assert all(
-        f.rollout_module == "model.layers.0.mlp.up_proj" and "model.layers.1.mlp.up_proj" in f.also for f in found
+        f.rollout_module == "model.layers.0.mlp.gate_up_proj" and "model.layers.1.mlp.up_proj" in f.also for f in found
     )
     assert all("quantized in rollout only" in f.message and "kept BF16 by the recipe" in f.fix for f in found)
 

@@ -59,7 +59,11 @@ def test_default_env_pow2_scales_on_the_rollout_side_only(tiny_ckpt, unified_tra
     for f in found:
         assert "scale_format fp32 vs pow2" in f.message
         assert f.fix.startswith("export VLLM_USE_DEEP_GEMM_E8M0=0")
-        assert f.rollout_module == f.training_module == "model.layers.0.self_attn.q_proj"  # first layer first
+        # first layer first, named on both sides (vLLM's fused Linear, the HF projection)
+        assert (f.rollout_module, f.training_module) == (
+            "model.layers.0.self_attn.qkv_proj",
+            "model.layers.0.self_attn.q_proj",
+        )
         assert len(f.also) == 13
 
 
@@ -133,7 +137,8 @@ def test_fp8_kv_cache_is_a_warning_with_the_reason(tiny_ckpt, unified_training):
     (f,) = _only(report, "kv-cache-dtype")
     assert f.severity == "warning" and report.ok
     assert "attention is outside the FP8 recipe" in f.message and "log-prob mismatch" in f.message
-    assert f.rollout_module == "model.layers.0.self_attn" and "kv_cache_dtype='auto'" in f.fix
+    assert (f.rollout_module, f.training_module) == ("model.layers.0.self_attn.attn", "model.layers.0.self_attn")
+    assert "kv_cache_dtype='auto'" in f.fix
 
 
 def test_recipe_spec_the_trainer_ignores_is_declared_vs_observed(tiny_ckpt):
