@@ -415,6 +415,14 @@ def trace_model(
     for path, mod in by_path.items():
         kind = _classify(path, mod) if path else None
         if kind is None:
+            qm = getattr(mod, "quant_method", None)
+            if qm is not None and type(mod).__name__ != "LogitsProcessor":
+                # a quantizable engine module the lint does not model (e.g. vLLM's FusedMoE): refuse
+                # rather than leave a rollout op unchecked
+                raise ValueError(
+                    f"{path}: {type(mod).__name__} with quant method {type(qm).__name__} is not modelled by the "
+                    "precision lint (dense Linear, lm_head, attention only)"
+                )
             continue
         if kind == "lm_head" and type(mod).__name__ == "LogitsProcessor":
             continue  # the vLLM lm_head's precision is read from the lm_head module itself

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+import traceback
 
 from jetrl.recipe import RECIPE_NAMES, RecipeError
 
@@ -76,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
             )
     except (LintEnvError, LayoutError, StockConfigError, RecipeError, FileNotFoundError) as e:
         print(f"jetrl lint: error: {e}", file=sys.stderr)
+        return 2
+    except Exception:  # noqa: BLE001 - a crash must not read as "violations" (exit 1): report it, exit 2
+        traceback.print_exc()
+        print("jetrl lint: error: the lint itself failed (traceback above)", file=sys.stderr)
         return 2
     print(report.to_json() if args.json else report.table())
     return 0 if report.ok else 1
