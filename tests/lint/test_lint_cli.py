@@ -95,3 +95,14 @@ def test_live_engine_cli_in_a_fresh_process_keeps_stdout_json_only(tiny_ckpt):
     }
     assert all(f["training_module"] == "model.layers.0.self_attn.q_proj" for f in report["findings"])
     assert "jetrl_fp8_naive" in report["rollout_graph"]["source"]
+
+
+def test_a_crash_of_the_lint_exits_2_not_1(tiny_ckpt, monkeypatch, capsys):
+    import jetrl.lint.api as api
+
+    def boom(*a, **k):
+        raise RuntimeError("simulated internal failure")
+
+    monkeypatch.setattr(api, "lint", boom)
+    assert main(["--model", str(tiny_ckpt), "--recipe", "jetrl-unified", "--rollout", "stock-vllm"]) == 2
+    assert "simulated internal failure" in capsys.readouterr().err

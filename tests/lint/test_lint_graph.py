@@ -145,3 +145,23 @@ def test_missing_node_and_one_sided_quantization():
     findings = check(normalize(t_bf16)[0], normalize(r)[0])
     assert {(f.code, f.tensor) for f in findings} == {("quantized-one-side", "x"), ("quantized-one-side", "w")}
     assert all("ignored_layers" in f.fix and "quantized in rollout only" in f.message for f in findings)
+
+
+def test_capture_refuses_engine_modules_it_does_not_model():
+    import torch
+
+    from jetrl.lint.capture import Recorder, trace_model
+
+    class FusedMoE(torch.nn.Module):  # stands for any quantizable engine module the lint has no rule for
+        def __init__(self) -> None:
+            super().__init__()
+            self.quant_method = object()
+
+        def forward(self, x):
+            return x
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), FusedMoE())
+    with Recorder(model) as rec:
+        model(torch.zeros(1, 4))
+    with pytest.raises(ValueError, match="1: FusedMoE with quant method object is not modelled"):
+        trace_model(model, rec, side="rollout", source="test")
