@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from jetrl.gemm import GemmBackend, get_backend
-from jetrl.linear import JetFP8Linear
+from jetrl.linear import JetFP8Linear, JetRMSNormQuant, JetSwiGLUMLP, _scale_layout_of
 from jetrl.recipe import Recipe
 
 __all__ = [
@@ -68,6 +68,8 @@ class ConversionReport:
     backend: str | None
     """GEMM backend of the converted Linears (None when nothing was converted)."""
     entries: list[ConversionEntry] = field(default_factory=list)
+    fused: list[str] = field(default_factory=list)
+    """Norms / MLPs replaced by fused quantizing modules (``fuse=True``)."""
 
     def converted_names(self) -> list[str]:
         return [e.name for e in self.entries if e.converted]
@@ -76,7 +78,12 @@ class ConversionReport:
         return [e for e in self.entries if not e.converted]
 
     def to_dict(self) -> dict:
-        return {"recipe": self.recipe, "backend": self.backend, "entries": [asdict(e) for e in self.entries]}
+        return {
+            "recipe": self.recipe,
+            "backend": self.backend,
+            "entries": [asdict(e) for e in self.entries],
+            "fused": list(self.fused),
+        }
 
     def __str__(self) -> str:
         n_fp8 = len(self.converted_names())
@@ -104,8 +111,12 @@ def convert_model(
     *,
     backend: str | GemmBackend = "auto",
     name_filter: Callable[[str], bool] | str | None = None,
+    fuse: bool = False,
 ) -> ConversionReport:
-    """Swap the selected Linears of `model` for JetFP8Linear in place; return the report of every Linear."""
+    """Swap the selected Linears of `model` for JetFP8Linear in place; return the report of every Linear.
+    With ``fuse=True``, also replace each decoder layer's ``input_layernorm`` / ``post_attention_layernorm``
+    feeding FP8 Linears by `JetRMSNormQuant` and each SiLU gate/up/down ``mlp`` by `JetSwiGLUMLP`
+    (`jetrl.kernels` fused norm/activation + quantize; same parameter names, HF numerics)."""
     recipe = Recipe.from_name(recipe) if isinstance(recipe, str) else recipe
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     if not recipe.train_fp8:
@@ -148,7 +159,37 @@ def convert_model(
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, JetFP8Linear.from_linear(mod, recipe=recipe, backend=be, layer_name=name))
-    return ConversionReport(recipe.name, be.name, entries)
+    report = ConversionReport(recipe.name, be.name, entries)
+    if fuse:
+        report.fused = _fuse(model)
+    return report
+
+
+def _fuse(model: nn.Module) -> list[str]:
+    """Install the fused producers where their consumers are FP8 Linears; returns the replaced names."""
+    done = []
+    for name, mod in list(model.named_modules()):
+        prefix = f"{name}." if name else ""
+        attn, mlp = getattr(mod, "self_attn", None), getattr(mod, "mlp", None)
+        consumers = {
+            "input_layernorm": [getattr(attn, p, None) for p in ("q_proj", "k_proj", "v_proj")],
+            "post_attention_layernorm": [getattr(mlp, p, None) for p in ("gate_proj", "up_proj")],
+        }
+        for norm_name, lins in consumers.items():
+            norm = getattr(mod, norm_name, None)
+            if norm is None or isinstance(norm, JetRMSNormQuant) or not any(isinstance(x, JetFP8Linear) for x in lins):
+                continue
+            layout = _scale_layout_of(lins)
+            setattr(mod, norm_name, JetRMSNormQuant(norm, scale_layout=layout, layer_name=prefix + norm_name))
+            done.append(prefix + norm_name)
+        if (
+            mlp is not None
+            and not isinstance(mlp, JetSwiGLUMLP)
+            and isinstance(getattr(mlp, "down_proj", None), JetFP8Linear)
+        ):
+            mod.mlp = JetSwiGLUMLP(mlp, layer_name=prefix + "mlp")
+            done.append(prefix + "mlp")
+    return done
 
 
 def export_fp8_weights(model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

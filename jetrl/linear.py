@@ -31,6 +31,11 @@ quantizing again; any in-place change of ``y`` or a different tensor makes it qu
 three projections reading one normed hidden state (q/k/v, gate/up) then share one quantization and
 one saved fp8 copy. The bytes are the same either way (the producer's quantizer is the reference's).
 
+The two fused producers are here too: `JetRMSNormQuant` (replaces an HF RMSNorm whose output feeds
+FP8 Linears; `jetrl.kernels.rmsnorm_quant`) and `JetSwiGLUMLP` (replaces an HF gate/up/down MLP with
+SiLU; `jetrl.kernels.swiglu_quant` between up/gate and down). Both keep HF numerics and parameter
+names; `jetrl.convert.convert_model(..., fuse=True)` installs them.
+
 `fp8_param` mode (`jetrl.fp8_param`): the module's ``weight`` holds the fp8 bytes themselves (with a
 ``weight_scale_inv`` buffer) and wgrad goes to an fp32 master held by the optimizer path; see there.
 """
@@ -54,6 +59,8 @@ __all__ = [
     "quantized_of",
     "invalidate_fp8_caches",
     "invalidate_on_step",
+    "JetRMSNormQuant",
+    "JetSwiGLUMLP",
 ]
 
 _ATTR = "_jetrl_fp8_activation"
@@ -270,3 +277,76 @@ def invalidate_on_step(optimizer: torch.optim.Optimizer, model: nn.Module):
     """Invalidate the model's fp8 weight caches after every ``optimizer.step()`` (belt and braces for
     optimizers that write through ``.data``). Returns the hook handle."""
     return optimizer.register_step_post_hook(lambda *_: invalidate_fp8_caches(model))
+
+
+def _scale_layout_of(linears) -> str:
+    for lin in linears:
+        if isinstance(lin, JetFP8Linear):
+            return lin.backend.scale_layout
+    return "row"
+
+
+class JetRMSNormQuant(nn.Module):
+    """HF Llama/Qwen RMSNorm (``weight * (x_f32 * rsqrt(mean(x_f32^2) + eps)).to(x.dtype)``) fused with
+    the 1x128 quantization of its output, which it attaches to the output for the next JetFP8Linears.
+    Keeps the ``weight`` Parameter (same object) of the norm it replaces."""
+
+    def __init__(self, norm: nn.Module, *, scale_layout: str = "row", layer_name: str = "") -> None:
+        super().__init__()
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+        if eps is None or not isinstance(getattr(norm, "weight", None), nn.Parameter):
+            raise TypeError(f"{layer_name}: {type(norm).__name__} is not an HF RMSNorm (needs weight and eps)")
+        self.weight = norm.weight
+        self.variance_epsilon = float(eps)
+        self.scale_layout = scale_layout
+        self.layer_name = layer_name or "rmsnorm"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from jetrl.kernels import rmsnorm_quant
+
+        if self.weight.dtype != x.dtype:
+            raise TypeError(
+                f"{self.layer_name}: fused RMSNorm needs weight dtype == input dtype (HF would promote "
+                f"{self.weight.dtype} x {x.dtype}); convert without fuse=True for mixed dtypes"
+            )
+        k = x.shape[-1]
+        y, q, s, _ = rmsnorm_quant(
+            x.reshape(-1, k).contiguous(),
+            self.weight,
+            self.variance_epsilon,
+            scale_layout=self.scale_layout,
+            name=f"{self.layer_name}:output",
+        )
+        return attach_quantized(y.view(x.shape), q, s)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, fused 1x128 quantize"
+
+
+class JetSwiGLUMLP(nn.Module):
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))`` with the product and its 1x128 quantization fused
+    (`jetrl.kernels.swiglu_quant`); the bytes go to down_proj. Holds the MLP's own gate_proj, up_proj
+    and down_proj modules under the same names."""
+
+    def __init__(self, mlp: nn.Module, *, layer_name: str = "") -> None:
+        super().__init__()
+        act = getattr(mlp, "act_fn", None)
+        if not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")) or not (
+            isinstance(act, nn.SiLU) or "silu" in type(act).__name__.lower()
+        ):
+            raise TypeError(f"{layer_name}: {type(mlp).__name__} is not a SiLU gate/up/down MLP")
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.layer_name = layer_name or "mlp"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from jetrl.kernels import swiglu_quant
+
+        g, u = self.gate_proj(x), self.up_proj(x)
+        n = g.shape[-1]
+        h, q, s = swiglu_quant(
+            g.reshape(-1, n),
+            u.reshape(-1, n),
+            scale_layout=_scale_layout_of([self.down_proj]),
+            name=f"{self.layer_name}.down_proj:input",
+        )
+        return self.down_proj(attach_quantized(h.view(g.shape), q, s))
