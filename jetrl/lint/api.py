@@ -149,6 +149,7 @@ def lint(
 
         report.numeric, num_findings = compare_numeric(train.trace, r_trace, probe_len=len(probe))
         report.findings.extend(num_findings)
+    report.findings.sort(key=lambda f: f.severity != Severity.ERROR)  # errors first, each group in graph order
     return report
 
 
