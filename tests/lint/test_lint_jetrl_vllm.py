@@ -182,3 +182,24 @@ def test_engine_serving_the_trainers_fp8_export_holds_its_bytes(tiny_ckpt, probe
     assert report.ok and report.findings == [], report.table()
     rows = [r for r in report.numeric["layers"] if r["module"] != "lm_head"]
     assert len(rows) == 14 and all(r["weight_bytes_equal"] and r["act_bytes_equal"] for r in rows)
+
+
+def test_live_fp8_kv_cache_is_a_warning(tiny_ckpt, probe, unified_training):
+    """The K/V-cache dtype is read from the live engine's attention layers (here vLLM's fp8 cache)."""
+    from jetrl.rollout.adapter import create_engine
+
+    engine = create_engine(
+        tiny_ckpt, "jetrl-unified", seed=0, max_model_len=256, backend="emulated", kv_cache_dtype="fp8"
+    )
+    try:
+        report = lint(tiny_ckpt, "jetrl-unified", engine=engine, training=unified_training, probe=probe)
+    finally:
+        engine.close()
+    assert report.ok and [(f.code, f.severity) for f in report.findings] == [("kv-cache-dtype", "warning")]
+    (f,) = report.findings
+    assert (f.rollout_module, f.training_module, f.tensor) == (
+        "model.layers.0.self_attn.attn",
+        "model.layers.0.self_attn",
+        "kv",
+    )
+    assert "vllm kv-cache fp8" in f.message and f.also == ("model.layers.1.self_attn",)
