@@ -203,3 +203,35 @@ def test_live_fp8_kv_cache_is_a_warning(tiny_ckpt, probe, unified_training):
         "kv",
     )
     assert "vllm kv-cache fp8" in f.message and f.also == ("model.layers.1.self_attn",)
+
+
+def test_numeric_mode_catches_a_quantizer_kernel_that_drifted_from_the_spec(
+    tiny_ckpt, probe, unified_training, unified_engine, monkeypatch
+):
+    """The rollout's jetrl::quantize_1x128 CPU kernel is swapped (for the rollout capture only) for one
+    computing power-of-two scales: the op's identity still claims the spec, so the graph labels agree;
+    the numeric mode compares the bytes with the training spec and names every layer, first layer first."""
+    import sys
+
+    from jetrl.kernels._runtime import to_scale_layout
+
+    kernel_module = sys.modules["jetrl.kernels.quantize_1x128"]
+
+    def drifted(x, *, scale_layout="row", name="x"):
+        q, s = quant.quantize_1x128(x, name=name, scale_format=ScaleFormat.POW2)
+        return q, to_scale_layout(s, scale_layout)
+
+    monkeypatch.setattr(kernel_module, "torch_quantize_1x128", drifted)
+    report = lint(
+        tiny_ckpt, "jetrl-unified", numeric=True, engine=unified_engine, training=unified_training, probe=probe
+    )
+    monkeypatch.undo()
+    assert {f.code for f in report.findings} == {"numeric-quantizer"}, report.table()
+    (f,) = report.findings
+    assert (f.rollout_module, f.training_module) == (
+        "model.layers.0.self_attn.qkv_proj",
+        "model.layers.0.self_attn.q_proj",
+    )
+    assert len(f.also) == 13
+    first = report.numeric["first_divergence"]
+    assert first["module"] == "model.layers.0.self_attn.q_proj" and first["what"] == "activation quantizer bytes differ"
