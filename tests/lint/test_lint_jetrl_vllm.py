@@ -174,37 +174,6 @@ def test_fused_norm_quant_trainer_normalizes_onto_the_rollout(tiny_ckpt, probe, 
     assert any(r.startswith("training: fused norm") for r in report.normalizations)
 
 
-def test_engine_serving_the_trainers_fp8_export_holds_its_bytes(tiny_ckpt, probe, unified_training, tmp_path):
-    """served_path: the lint starts a jetrl_fp8 engine from the trainer's FP8 export (checkpoint format
-    fp8-128x128) and proves, byte for byte, that it serves the trainer's weights."""
-    served = fp8_export(tiny_ckpt, Recipe.from_name("jetrl-unified"), tmp_path / "export")
-    report = lint(tiny_ckpt, "jetrl-unified", numeric=True, served_path=served, training=unified_training, probe=probe)
-    assert report.ok and report.findings == [], report.table()
-    rows = [r for r in report.numeric["layers"] if r["module"] != "lm_head"]
-    assert len(rows) == 14 and all(r["weight_bytes_equal"] and r["act_bytes_equal"] for r in rows)
-
-
-def test_live_fp8_kv_cache_is_a_warning(tiny_ckpt, probe, unified_training):
-    """The K/V-cache dtype is read from the live engine's attention layers (here vLLM's fp8 cache)."""
-    from jetrl.rollout.adapter import create_engine
-
-    engine = create_engine(
-        tiny_ckpt, "jetrl-unified", seed=0, max_model_len=256, backend="emulated", kv_cache_dtype="fp8"
-    )
-    try:
-        report = lint(tiny_ckpt, "jetrl-unified", engine=engine, training=unified_training, probe=probe)
-    finally:
-        engine.close()
-    assert report.ok and [(f.code, f.severity) for f in report.findings] == [("kv-cache-dtype", "warning")]
-    (f,) = report.findings
-    assert (f.rollout_module, f.training_module, f.tensor) == (
-        "model.layers.0.self_attn.attn",
-        "model.layers.0.self_attn",
-        "kv",
-    )
-    assert "vllm kv-cache fp8" in f.message and f.also == ("model.layers.1.self_attn",)
-
-
 def test_numeric_mode_catches_a_quantizer_kernel_that_drifted_from_the_spec(
     tiny_ckpt, probe, unified_training, unified_engine, monkeypatch
 ):
@@ -235,3 +204,38 @@ def test_numeric_mode_catches_a_quantizer_kernel_that_drifted_from_the_spec(
     assert len(f.also) == 13
     first = report.numeric["first_divergence"]
     assert first["module"] == "model.layers.0.self_attn.q_proj" and first["what"] == "activation quantizer bytes differ"
+
+
+# -- tests that start and close their own engine: LAST in this module. Closing an in-process vLLM engine
+# tears down vLLM's global parallel state, which the session's shared engines above still need.
+
+
+def test_engine_serving_the_trainers_fp8_export_holds_its_bytes(tiny_ckpt, probe, unified_training, tmp_path):
+    """served_path: the lint starts a jetrl_fp8 engine from the trainer's FP8 export (checkpoint format
+    fp8-128x128) and proves, byte for byte, that it serves the trainer's weights."""
+    served = fp8_export(tiny_ckpt, Recipe.from_name("jetrl-unified"), tmp_path / "export")
+    report = lint(tiny_ckpt, "jetrl-unified", numeric=True, served_path=served, training=unified_training, probe=probe)
+    assert report.ok and report.findings == [], report.table()
+    rows = [r for r in report.numeric["layers"] if r["module"] != "lm_head"]
+    assert len(rows) == 14 and all(r["weight_bytes_equal"] and r["act_bytes_equal"] for r in rows)
+
+
+def test_live_fp8_kv_cache_is_a_warning(tiny_ckpt, probe, unified_training):
+    """The K/V-cache dtype is read from the live engine's attention layers (here vLLM's fp8 cache)."""
+    from jetrl.rollout.adapter import create_engine
+
+    engine = create_engine(
+        tiny_ckpt, "jetrl-unified", seed=0, max_model_len=256, backend="emulated", kv_cache_dtype="fp8"
+    )
+    try:
+        report = lint(tiny_ckpt, "jetrl-unified", engine=engine, training=unified_training, probe=probe)
+    finally:
+        engine.close()
+    assert report.ok and [(f.code, f.severity) for f in report.findings] == [("kv-cache-dtype", "warning")]
+    (f,) = report.findings
+    assert (f.rollout_module, f.training_module, f.tensor) == (
+        "model.layers.0.self_attn.attn",
+        "model.layers.0.self_attn",
+        "kv",
+    )
+    assert "vllm kv-cache fp8" in f.message and f.also == ("model.layers.1.self_attn",)
