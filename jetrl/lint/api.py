@@ -64,6 +64,7 @@ def lint(
     max_model_len: int = 256,
     training: TrainingCapture | None = None,
     served_path: str | Path | None = None,
+    engine_kwargs: dict[str, Any] | None = None,
 ) -> LintReport:
     """Prove (or refute) G_rollout ⊆ G_train_fwd for the checkpoint at `model_path`.
 
@@ -79,6 +80,13 @@ def lint(
       export, `jetrl.rollout.checkpoint.save_fp8_checkpoint`): the jetrl-vllm engine loads it, the
       stock-vllm settings read its ``quantization_config`` (unless `stock` is given). `model_path` is
       always the trainer's BF16 checkpoint.
+
+    `engine_kwargs` go to `jetrl.rollout.adapter.create_engine` when the lint starts the engine itself
+    (e.g. ``kv_cache_dtype``).
+
+    Without `engine`, a jetrl-vllm lint starts an in-process engine and closes it at the end; closing an
+    in-process vLLM engine tears down vLLM's global parallel state, so pass `engine` when the process
+    keeps using another live engine (the trainer does).
 
     Raises `LintEnvError` when the lint cannot run here (the CLI's exit code 2).
     """
@@ -123,7 +131,7 @@ def lint(
         own = engine is None
         if own:
             served = Path(served_path) if served_path is not None else model_path
-            engine = _start_engine(served, r_recipe, backend, max_model_len)
+            engine = _start_engine(served, r_recipe, backend, max_model_len, engine_kwargs or {})
         try:
             r_graph, r_trace = capture_jetrl_vllm(engine, probe=probe, keep_tensors=numeric)
         finally:
@@ -157,12 +165,12 @@ def _name(r: Recipe | str) -> str:
     return r if isinstance(r, str) else r.name
 
 
-def _start_engine(model_path: Path, recipe: Recipe, backend: str, max_model_len: int):
+def _start_engine(model_path: Path, recipe: Recipe, backend: str, max_model_len: int, kw: dict[str, Any]):
     try:
         from jetrl.rollout.adapter import create_engine
     except ImportError as e:
         raise LintEnvError(f"--rollout jetrl-vllm needs vLLM and jetrl.rollout.adapter: {e}") from e
     try:
-        return create_engine(model_path, recipe, seed=0, max_model_len=max_model_len, backend=backend)
+        return create_engine(model_path, recipe, seed=0, max_model_len=max_model_len, backend=backend, **kw)
     except Exception as e:  # noqa: BLE001 - any engine start failure is an environment error for the CLI
         raise LintEnvError(f"the vLLM engine did not start for {model_path} ({type(e).__name__}: {e})") from e

@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     stock = p.add_argument_group("stock-vllm settings (the environment's VLLM_* variables are read too)")
     stock.add_argument("--quantization", choices=("fp8_per_tensor", "fp8_per_block"), help="online --quantization")
-    stock.add_argument("--kv-cache-dtype", default="auto", help="vLLM kv_cache_dtype (auto, fp8, fp8_e4m3, ...)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="vLLM kv_cache_dtype (auto, fp8, fp8_e4m3, ...)")
     stock.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM tensor_parallel_size")
     stock.add_argument(
         "--quant-op", choices=("cuda", "native"), default="cuda", help="vLLM QuantFP8 implementation (custom op or not)"
@@ -49,6 +49,16 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     except SystemExit as e:  # argparse: --help exits 0, usage errors 2
         return int(e.code or 0)
+    if args.rollout == "jetrl-vllm":
+        stock_only = {
+            "--quantization": args.quantization is not None,
+            "--tensor-parallel-size": args.tensor_parallel_size != 1,
+            "--quant-op": args.quant_op != "cuda",
+        }
+        bad = [flag for flag, given in stock_only.items() if given]
+        if bad:
+            print(f"jetrl lint: error: {', '.join(bad)} only apply to --rollout stock-vllm", file=sys.stderr)
+            return 2
     from jetrl.lint.api import LintEnvError, lint
     from jetrl.lint.layout import LayoutError
     from jetrl.lint.stock_vllm import StockConfigError, StockVllmSettings
@@ -74,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                 stock=stock,
                 backend=args.backend,
                 served_path=args.served,
+                engine_kwargs={"kv_cache_dtype": args.kv_cache_dtype} if args.rollout == "jetrl-vllm" else None,
             )
     except (LintEnvError, LayoutError, StockConfigError, RecipeError, FileNotFoundError) as e:
         print(f"jetrl lint: error: {e}", file=sys.stderr)

@@ -78,6 +78,8 @@ def test_exit_2_on_usage_and_environment_errors(tmp_path, tiny_ckpt, capsys):
     argv = ["--model", str(tiny_ckpt), "--recipe", "jetrl-unified", "--rollout", "stock-vllm", "--numeric"]
     assert main(argv) == 2
     assert "numeric mode needs a live engine" in capsys.readouterr().err
+    assert main(["--model", str(tiny_ckpt), "--recipe", "jetrl-unified", "--tensor-parallel-size", "2"]) == 2
+    assert "--tensor-parallel-size only apply to --rollout stock-vllm" in capsys.readouterr().err
 
 
 @pytest.mark.vllm
