@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -144,7 +145,7 @@ def lint(
     findings += check(t_norm, r_norm)
     report = LintReport(
         model=str(model_path),
-        recipe=recipe.name if r_recipe.name == recipe.name else f"{recipe.name} (rollout: {r_recipe.name})",
+        recipe=_recipe_label(recipe, r_recipe if rollout == "jetrl-vllm" else recipe),
         rollout=rollout,
         findings=findings,
         training_summary=_summary(t_norm),
@@ -159,6 +160,13 @@ def lint(
         report.findings.extend(num_findings)
     report.findings.sort(key=lambda f: f.severity != Severity.ERROR)  # errors first, each group in graph order
     return report
+
+
+def _recipe_label(train: Recipe, roll: Recipe) -> str:
+    if train == roll:
+        return train.name
+    diff = [f.name for f in dataclasses.fields(Recipe) if getattr(train, f.name) != getattr(roll, f.name)]
+    return f"{train.name} (rollout recipe {roll.name} differs in {', '.join(diff)})"
 
 
 def _name(r: Recipe | str) -> str:
