@@ -161,6 +161,19 @@ class _FP8LinearFn(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
+def _check_supported_training_specs(recipe: Recipe, layer_name: str) -> None:
+    """The kernels and GEMMs implement the jetrl-unified training specs only; any other QuantSpec in
+    a recipe's training fields is refused here rather than silently trained with the default."""
+    truth = Recipe.from_name("jetrl-unified")
+    for field in ("train_activation", "train_weight", "train_grad_output", "train_wgrad"):
+        got, want = getattr(recipe, field), getattr(truth, field)
+        if got != want:
+            raise RecipeError(
+                f"{layer_name}: recipe {recipe.name!r} sets {field}={got.label() if got else None}, but the FP8 "
+                f"Linear implements only {want.label()} for it; use the jetrl-unified spec for training"
+            )
+
+
 class JetFP8Linear(nn.Linear):
     """A drop-in `nn.Linear` (same ``weight``/``bias`` parameters and names) computing in block FP8.
 
@@ -187,6 +200,7 @@ class JetFP8Linear(nn.Linear):
         recipe = Recipe.from_name(recipe) if isinstance(recipe, str) else recipe
         if not recipe.train_fp8:
             raise RecipeError(f"{layer_name or 'JetFP8Linear'}: recipe {recipe.name!r} does not train in FP8")
+        _check_supported_training_specs(recipe, layer_name or "JetFP8Linear")
         self.recipe = recipe
         self.backend = get_backend(backend)
         self.layer_name = layer_name or "JetFP8Linear"

@@ -11,7 +11,7 @@ from torch import nn
 from jetrl import quant
 from jetrl.gemm import linear_fp8
 from jetrl.linear import JetFP8Linear, attach_quantized, invalidate_fp8_caches, invalidate_on_step, quantized_of
-from jetrl.recipe import Recipe, RecipeError
+from jetrl.recipe import QuantSpec, Recipe, RecipeError
 from jetrl.testing.numerics import has_sm90, sqnr_db
 
 UNIFIED = Recipe.from_name("jetrl-unified")
@@ -271,3 +271,18 @@ def test_gpu_linear_matches_emulated(backend):
         assert torch.isfinite(got).all(), f"{backend} {what}: non-finite"
         s = sqnr_db(ref, got)
         assert s >= 35, f"{backend} {what} vs emulated: sqnr={s:.1f} dB"
+
+
+@pytest.mark.parametrize(
+    "field,spec",
+    [
+        ("train_activation", QuantSpec("1x128", scale_format="pow2")),
+        ("train_grad_output", QuantSpec("1x128", division="x*(1/s)")),
+        ("train_wgrad", QuantSpec("128x1", eps=1e-4)),
+    ],
+    ids=["pow2-activation", "reciprocal-dgrad", "eps-wgrad"],
+)
+def test_unsupported_training_spec_is_refused_not_ignored(field, spec):
+    recipe = Recipe.from_name("jetrl-unified").replace(**{field: spec})
+    with pytest.raises(RecipeError, match=rf"model\.layers\.0\.mlp\.up_proj: .*sets {field}="):
+        JetFP8Linear(256, 256, recipe=recipe, backend="emulated", layer_name="model.layers.0.mlp.up_proj")

@@ -11,7 +11,7 @@ import pytest
 from jetrl.lint import lint
 from jetrl.lint.builders import capture_training
 from jetrl.lint.stock_vllm import StockConfigError, StockVllmSettings, build_stock_rollout_graph
-from jetrl.recipe import Granularity, QuantSpec, Recipe, ScaleFormat
+from jetrl.recipe import Granularity, QuantSpec, Recipe, RecipeError, ScaleFormat
 
 from .conftest import BLOCK_FP8_CONFIG, COMPATIBLE_ENV, fp8_export
 
@@ -141,13 +141,13 @@ def test_fp8_kv_cache_is_a_warning_with_the_reason(tiny_ckpt, unified_training):
     assert "kv_cache_dtype='auto'" in f.fix
 
 
-def test_recipe_spec_the_trainer_ignores_is_declared_vs_observed(tiny_ckpt):
+def test_recipe_spec_the_trainer_cannot_implement_is_refused(tiny_ckpt):
+    """A training QuantSpec the FP8 Linear does not implement is refused at conversion (never trained
+    silently with the default spec), so the lint cannot even capture such a trainer."""
     pow2 = QuantSpec(Granularity.G1x128, scale_format=ScaleFormat.POW2)
     recipe = Recipe.from_name("jetrl-unified").replace(train_activation=pow2, rollout_activation=pow2)
-    training = capture_training(tiny_ckpt, recipe, probe=[1, 5, 6, 7])
-    report = lint(tiny_ckpt, recipe, "stock-vllm", stock=_stock(tiny_ckpt), training=training)
-    found = _only(report, "declared-vs-observed")
-    assert all("recipe declares" in f.message and "pow2" in f.message for f in found)
+    with pytest.raises(RecipeError, match="sets train_activation=.*pow2"):
+        capture_training(tiny_ckpt, recipe, probe=[1, 5, 6, 7])
 
 
 def test_trainer_fp8_export_served_by_stock_vllm(tiny_ckpt, tmp_path, monkeypatch):
