@@ -172,12 +172,6 @@ def test_gpu(m, k, kind):
 
 
 @gpu
-@pytest.mark.xfail(
-    has_sm90(),
-    strict=True,
-    reason="known bug: on the H200 (Triton 3.6) this kernel's device flag was not raised in this test, while "
-    "the interpreter raises and the quantize_1x128/128x128 GPU flag tests pass; cause not found yet",
-)
 def test_gpu_nonfinite_flag():
     K.reset_nonfinite()
     g = torch.randn(300, 512, device="cuda", dtype=torch.bfloat16)
