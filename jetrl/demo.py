@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -25,9 +26,10 @@ from typing import Any
 __all__ = ["DEFAULT_CONFIG", "MISMATCH_RATIO_GOAL", "main", "run_demo"]
 
 DEFAULT_CONFIG: dict[str, Any] = {
-    "run": {"name": "tiny-arith", "seed": 0, "steps": 30, "recipe": "jetrl-unified", "checkpoint_every": 10},
-    "task": {"min_operand": 0, "max_operand": 19, "ops": ["+"]},
-    "warmup": {"steps": 150, "batch_size": 64, "lr": 3.0e-3},
+    "run": {"name": "tiny-arith", "seed": 0, "steps": 60, "recipe": "jetrl-unified", "checkpoint_every": 10},
+    "model": {"numerics": "vllm-cpu"},
+    "task": {"min_operand": 0, "max_operand": 9, "ops": ["+"]},
+    "warmup": {"steps": 40, "batch_size": 64, "lr": 3.0e-3},
     "rollout": {"prompts_per_step": 16, "samples_per_prompt": 8, "max_tokens": 6, "max_model_len": 32},
     "algo": {"name": "grpo", "mini_batches": 2},
     "optim": {"lr": 2.0e-4},
@@ -167,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         help="override a config field (repeatable), e.g. --set algo.name=dapo",
     )
     args = p.parse_args(argv)
+    # quieter engine logs for a readable demo (an explicit VLLM_LOGGING_LEVEL in the environment wins)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"run.steps={args.steps}")

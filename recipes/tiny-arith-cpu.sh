@@ -11,7 +11,7 @@ set -euo pipefail
 
 PYTHON=${PYTHON:-.venv/bin/python}
 NAME=${NAME:-tiny-arith}
-STEPS=${STEPS:-30}
+STEPS=${STEPS:-60}
 SEED=${SEED:-0}
 OUT_DIR=${OUT_DIR:-runs}
 COMPARE=${COMPARE:-1}

@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)
     if args.resume and args.overwrite:
         print("jetrl train: --resume and --overwrite exclude each other", file=sys.stderr)
         return 2

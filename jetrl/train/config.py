@@ -91,6 +91,11 @@ class ModelConfig:
     """Overrides for `jetrl.tiny.tiny_qwen3_config` (e.g. ``num_hidden_layers: 2``)."""
     dtype: str = "bfloat16"
     """Dtype of the trainer's compute weights and of the rollout engine ('bfloat16')."""
+    attn_implementation: str = "sdpa"
+    """HF attention of the trainer ('sdpa' or 'eager'); replaced when ``numerics`` is 'vllm-cpu'."""
+    numerics: str = "hf"
+    """Trainer numerics between the Linears: 'hf' (transformers' model as is) or 'vllm-cpu' (RoPE,
+    attention and residual+RMSNorm computed as vLLM's CPU kernels do; see `jetrl.train.engine_match`)."""
 
 
 @dataclass(frozen=True)
@@ -351,6 +356,10 @@ def _check_values(cfg: TrainConfig) -> None:
         raise _fail("run.gemm_backend", f"{r.gemm_backend!r}: choose auto, deepgemm, torch-blockwise or emulated")
     if cfg.model.dtype != "bfloat16":
         raise _fail("model.dtype", f"{cfg.model.dtype!r}: only 'bfloat16' is supported (the rollout engine's dtype)")
+    if cfg.model.attn_implementation not in ("sdpa", "eager"):
+        raise _fail("model.attn_implementation", f"{cfg.model.attn_implementation!r}: choose 'sdpa' or 'eager'")
+    if cfg.model.numerics not in ("hf", "vllm-cpu"):
+        raise _fail("model.numerics", f"{cfg.model.numerics!r}: choose 'hf' or 'vllm-cpu'")
     if cfg.model.path is not None and cfg.model.tiny:
         raise _fail("model.tiny", "overrides for the embedded tiny model cannot be combined with model.path")
     if t.name != "arithmetic":

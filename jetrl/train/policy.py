@@ -82,7 +82,7 @@ def forward_logprobs(
     model: nn.Module, batch: TokenBatch, *, temperature: float = 1.0, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs ``[N, L-1]`` of the batch's targets (and entropies) under ``logits / T``."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits[:, :-1]
     if temperature != 1.0:
         logits = logits.float() / temperature
     logp = token_logprobs(logits, batch.targets)

@@ -155,7 +155,13 @@ class Trainer:
 
         from jetrl.convert import convert_model
 
-        self.model = AutoModelForCausalLM.from_pretrained(self.init_path, dtype=torch.bfloat16).to(self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.init_path, dtype=torch.bfloat16, attn_implementation=cfg.model.attn_implementation
+        ).to(self.device)
+        if cfg.model.numerics == "vllm-cpu":
+            from .engine_match import match_vllm_cpu
+
+            match_vllm_cpu(self.model)
         self.model.eval()  # no dropout in the decoders we train; eval() also keeps HF from caching
         self.conversion = convert_model(self.model, self.recipe, backend=cfg.run.gemm_backend)
         (self.run_dir / "conversion.json").write_text(json.dumps(self.conversion.to_dict(), indent=2))

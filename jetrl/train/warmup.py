@@ -65,7 +65,7 @@ def supervised_warmup(model, tok, task: ArithmeticTask, *, steps: int, batch_siz
         for g in opt.param_groups:
             g["lr"] = lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / max(1, steps))))
         ids, attn, mask = _sft_batch(tok, task, step, batch_size)
-        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+        logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1].float()
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
         loss = (nll * mask).sum() / mask.sum()
         opt.zero_grad(set_to_none=True)

@@ -38,6 +38,8 @@ def test_defaults_and_presets():
         ({"optim": {"betas": [0.9]}}, "optim.betas"),
         ({"task": {"ops": ["/"]}}, "task.ops"),
         ({"model": {"dtype": "float16"}}, "model.dtype"),
+        ({"model": {"numerics": "vllm-gpu"}}, "model.numerics"),
+        ({"model": {"attn_implementation": "flash"}}, "model.attn_implementation"),
         ({"model": {"path": "/x", "tiny": {"num_hidden_layers": 2}}}, "model.tiny"),
         ({"lint": {"enabled": "yes"}}, "lint.enabled"),
     ],
@@ -65,3 +67,12 @@ def test_load_yaml_json_and_overrides(tmp_path):
         load_config(y, ["run.stepz=3"])
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_recipe_yaml_is_the_embedded_default():
+    from pathlib import Path
+
+    from jetrl.demo import DEFAULT_CONFIG
+
+    yaml_path = Path(__file__).resolve().parents[2] / "recipes" / "tiny-arith-cpu.yaml"
+    assert load_config(yaml_path) == config_from_dict(DEFAULT_CONFIG)

@@ -137,7 +137,7 @@ def test_kill_and_resume_continues_the_metric_stream(out_dir, tmp_path):
     for key in ("reward/mean", "response/length_mean", "mismatch/logp_abs_diff_mean", "sync/bytes"):
         assert after[2][key] == pytest.approx(before[2][key], rel=1e-6, abs=1e-9), key
     assert latest_step(run / "checkpoints") == 5
-    # resuming a finished run, or with a changed config, is refused or a no-op -- never a silent restart
+    # resuming with a changed config is refused, naming the field -- never a silent restart
     res = subprocess.run(
         _train_cmd(cfg_path, "--resume", "optim.lr=1.0"), capture_output=True, text=True, env=env, timeout=120
     )
