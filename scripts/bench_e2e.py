@@ -173,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import vllm
 
+    from jetrl.gemm import get_backend
+
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_path = Path(tmp) / "model"
@@ -224,6 +226,13 @@ def main(argv: list[str] | None = None) -> int:
         "triton": triton.__version__,
         "vllm": vllm.__version__,
         "model": "tiny-qwen3" if args.tiny else "qwen3-0.6b-shape (untied embeddings, random weights)",
+        "gemm_backend": get_backend(args.backend).name,
+        "note": (
+            "CPU: the FP8 GEMMs are jetrl's emulated backend (float64 block sums, the bit-exact reference), "
+            "so unified FP8 is slower than BF16 here by construction; the speed comparison is the GPU run"
+            if not torch.cuda.is_available()
+            else "GPU: FP8 GEMMs through the named jetrl.gemm backend"
+        ),
         "config": {
             k: getattr(args, k)
             for k in (

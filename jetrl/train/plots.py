@@ -58,6 +58,10 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
         (line,) = ax.plot(*_series(rows, "reward/mean"), label=f"{_label(d)} reward/mean")
         ax.plot(*_series(rows, "reward/pass@k"), ls="--", color=line.get_color(), alpha=0.6, label="pass@k")
         xs, ys = _series(rows, "eval/accuracy")
+        summ = d / "summary.json"
+        start = json.loads(summ.read_text()).get("eval_accuracy_start") if summ.exists() else None
+        if start is not None:  # the greedy accuracy before RL, at step 0
+            xs, ys = [0, *xs], [float(start), *ys]
         if xs:
             ax.plot(xs, ys, "o:", color=line.get_color(), label="eval/accuracy (greedy)")
     ax.set(xlabel="RL step", ylabel="reward", title="Reward")
@@ -68,7 +72,8 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     for d, rows in runs:
         (line,) = ax.plot(*_series(rows, "mismatch/logp_abs_diff_mean"), label=f"{_label(d)} mean")
         ax.plot(*_series(rows, "mismatch/logp_abs_diff_max"), ls="--", color=line.get_color(), alpha=0.6, label="max")
-    ax.set(xlabel="RL step", ylabel="|logp_rollout - logp_trainer|", title="Trainer / rollout mismatch", yscale="log")
+    ax.set(xlabel="RL step", ylabel="|logp_rollout - logp_trainer|", title="Trainer / rollout mismatch")
+    ax.set_yscale("symlog", linthresh=1e-6)  # exact zeros (bit-equal log-probs) stay on the plot
     ax.legend(fontsize=7)
     save(fig, "mismatch.png")
 
