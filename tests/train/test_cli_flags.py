@@ -1,0 +1,53 @@
+"""Freeze the command-line surface: a new or renamed flag must be a deliberate change of this list."""
+
+from __future__ import annotations
+
+import argparse
+
+from jetrl.train.cli import build_parser
+
+
+def _flags(parser: argparse.ArgumentParser) -> list[str]:
+    return sorted(s for a in parser._actions for s in a.option_strings)
+
+
+def test_train_flags_frozen():
+    assert _flags(build_parser()) == ["--dry-run", "--help", "--overwrite", "--resume", "-h"]
+
+
+def test_demo_flags_frozen(monkeypatch, capsys):
+    import jetrl.demo as demo
+
+    seen = {}
+
+    def fake_run_demo(**kw):
+        seen.update(kw)
+        return None
+
+    monkeypatch.setattr(demo, "run_demo", fake_run_demo)
+    assert (
+        demo.main(
+            [
+                "--name",
+                "x",
+                "--out-dir",
+                "o",
+                "--steps",
+                "3",
+                "--seed",
+                "5",
+                "--no-compare",
+                "--set",
+                "algo.name=dapo",
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
+    assert seen == {
+        "name": "x",
+        "out_dir": "o",
+        "compare": False,
+        "dry_run": True,
+        "overrides": ["algo.name=dapo", "run.steps=3", "run.seed=5"],
+    }
