@@ -106,6 +106,7 @@ def _config(args, recipe: str, model_path: str, out_dir: str) -> dict:
             "max_tokens": args.max_tokens,
             "max_model_len": args.max_tokens + 16,
             "gpu_memory_utilization": args.gpu_memory_utilization if cuda else None,
+            "engine_kwargs": {"enforce_eager": False} if args.cuda_graphs else {},
         },
         "algo": {"name": "grpo", "mini_batches": args.mini_batches, "micro_batch_size": args.micro_batch_size},
         "lint": {"enabled": False},
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch-size", type=int, default=None, help="sequences per forward (default 8; --tiny 64)")
     p.add_argument("--backend", default="auto", help="jetrl.gemm backend of the FP8 recipe")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.35, help="vLLM's share of the GPU")
+    p.add_argument("--cuda-graphs", action="store_true", help="let vLLM capture CUDA graphs (enforce_eager=False)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     p.add_argument("--one", help=argparse.SUPPRESS)
