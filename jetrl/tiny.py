@@ -167,7 +167,16 @@ def build_tiny_model(seed: int, **overrides):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(cfg)
-    return model.to(torch.bfloat16).eval()
+    # `.to(bf16)` would also round the fp32 RoPE frequencies, which `from_pretrained(dtype=bf16)` keeps
+    # in fp32: an in-memory model would then differ from the same weights loaded from disk
+    rope = {n: b.clone() for n, b in model.named_buffers() if n.endswith("inv_freq")}
+    model = model.to(torch.bfloat16)
+    for n, b in rope.items():
+        owner, _, leaf = n.rpartition(".")
+        model.get_submodule(owner).register_buffer(leaf, b, persistent=False)
+        if hasattr(model.get_submodule(owner), "original_inv_freq"):
+            model.get_submodule(owner).original_inv_freq = b.clone()
+    return model.eval()
 
 
 def save_checkpoint(model, tokenizer: CharTokenizer, path: str | os.PathLike) -> Path:

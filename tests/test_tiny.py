@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from jetrl.tiny import CharTokenizer, build_tiny_model, save_checkpoint, tiny_qwen3_config
+from jetrl.tiny import CharTokenizer, build_tiny_model, save_checkpoint, save_tiny_checkpoint, tiny_qwen3_config
 
 TEXT = "12+ 3*4=Hello, World! (x-y)"
 
@@ -62,3 +62,15 @@ def test_checkpoint_loads_with_transformers_offline(tmp_path):
     ref = model.state_dict()
     for k, v in loaded.state_dict().items():
         assert v.dtype == torch.bfloat16 and torch.equal(v, ref[k]), k
+
+
+def test_in_memory_model_equals_the_loaded_checkpoint(tmp_path):
+    """build_tiny_model keeps RoPE frequencies in fp32 like from_pretrained, so logits agree bitwise."""
+    from transformers import AutoModelForCausalLM
+
+    model = build_tiny_model(0)
+    loaded = AutoModelForCausalLM.from_pretrained(save_tiny_checkpoint(tmp_path / "ck", seed=0), dtype=torch.bfloat16)
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    ids = torch.tensor([[1, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded(ids).logits)

@@ -8,7 +8,6 @@ Pieces (each usable alone; the algorithm and the task are pure functions a verl 
   reward-function signature).
 - `jetrl.train.config`: frozen dataclasses loaded from YAML/JSON; `jetrl.train.checks`: what cannot run here.
 - `jetrl.train.policy`: token batches, log-probs under the model, mixed-precision AdamW (fp32 masters).
-- `jetrl.train.engine_match`: trainer numerics matched to vLLM's CPU kernels.
 - `jetrl.train.trainer`: the loop (`Trainer(cfg).run()`); `jetrl.train.cli`: ``jetrl train CONFIG``.
 - `jetrl.train.metrics` / `checkpoint` / `progress` / `plots`: outputs of a run.
 

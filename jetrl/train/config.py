@@ -95,7 +95,7 @@ class ModelConfig:
     """HF attention of the trainer ('sdpa' or 'eager'); replaced when ``numerics`` is 'vllm-cpu'."""
     numerics: str = "hf"
     """Trainer numerics between the Linears: 'hf' (transformers' model as is) or 'vllm-cpu' (RoPE,
-    attention and residual+RMSNorm computed as vLLM's CPU kernels do; see `jetrl.train.engine_match`)."""
+    attention and residual+RMSNorm computed as vLLM's CPU kernels do; see `jetrl.rollout.engine_match`)."""
 
 
 @dataclass(frozen=True)

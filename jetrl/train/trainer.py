@@ -159,7 +159,7 @@ class Trainer:
             self.init_path, dtype=torch.bfloat16, attn_implementation=cfg.model.attn_implementation
         ).to(self.device)
         if cfg.model.numerics == "vllm-cpu":
-            from .engine_match import match_vllm_cpu
+            from jetrl.rollout.engine_match import match_vllm_cpu
 
             match_vllm_cpu(self.model)
         self.model.eval()  # no dropout in the decoders we train; eval() also keeps HF from caching

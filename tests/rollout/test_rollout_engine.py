@@ -6,6 +6,7 @@ seed 0 and is then synced from a trainer model of seed 1, so a parameter the syn
 as a large log-prob mismatch, not hide behind identical initial weights.
 """
 
+import copy
 import time
 
 import pytest
@@ -17,6 +18,7 @@ from jetrl.convert import convert_model  # noqa: E402
 from jetrl.recipe import Recipe  # noqa: E402
 from jetrl.rollout.adapter import create_engine  # noqa: E402
 from jetrl.rollout.checkpoint import save_fp8_checkpoint  # noqa: E402
+from jetrl.rollout.engine_match import match_vllm_cpu  # noqa: E402
 from jetrl.rollout.parity import logprob_mismatch  # noqa: E402
 from jetrl.rollout.sync import WeightSyncError, sync_weights, trainer_payload, verify_weights  # noqa: E402
 from jetrl.tiny import CharTokenizer, build_tiny_model, save_tiny_checkpoint  # noqa: E402
@@ -229,3 +231,10 @@ def test_logprob_mismatch_unified_below_naive(setups):
     assert all(r["tokens"] >= 100 for r in table.values())
     assert b["mean_abs"] < 0.05, f"BF16 floor too high: {b}"
     assert u["mean_abs"] < 0.75 * n["mean_abs"] and u["max_abs"] < n["max_abs"], f"unified {u} vs naive {n}"
+    # with the trainer's non-Linear ops matched to vLLM's CPU kernels (what `jetrl train` does on CPU),
+    # the unified trainer computes the engine's log-probs: the mismatch collapses, naive's stays
+    matched = copy.deepcopy(setups["jetrl-unified"][1])
+    match_vllm_cpu(matched)
+    m = _logprob_mismatch(setups["jetrl-unified"][0], matched, setups["jetrl-unified"][2])
+    print(f"{'jetrl-unified+match':20s} {m['mean_abs']:12.5f} {m['max_abs']:12.5f} {m['tokens']:7d}")
+    assert m["mean_abs"] <= 0.05 * n["mean_abs"], f"matched unified {m} vs naive {n}"

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
+from jetrl.rollout.engine_match import match_vllm_cpu
 from jetrl.tiny import CharTokenizer, build_tiny_model, save_checkpoint
-from jetrl.train.engine_match import match_vllm_cpu
 
 
 def _ids():
@@ -56,7 +56,6 @@ def test_trainer_logprobs_equal_the_engines(tmp_path):
         engine.close()
     from transformers import AutoModelForCausalLM
 
-    # loaded like the trainer loads it (an in-memory build_tiny_model has .to(bf16)-cast RoPE buffers)
     m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
     convert_model(m, "jetrl-unified")
     match_vllm_cpu(m)
