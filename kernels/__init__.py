@@ -10,35 +10,42 @@ Ops (one file each): `quantize_1x128`, `quantize_128x128`, `transpose_quantize` 
 `transpose_requantize`, `rmsnorm_quant` / `rmsnorm_backward`, `swiglu_quant` / `swiglu_backward`.
 """
 
-from ._runtime import check_nonfinite, reset_nonfinite
-from .quantize_1x128 import quantize_1x128, torch_quantize_1x128
-from .quantize_128x128 import quantize_128x128, torch_quantize_128x128
-from .rmsnorm_quant import rmsnorm_backward, rmsnorm_quant, torch_rmsnorm_backward, torch_rmsnorm_quant
-from .swiglu_quant import swiglu_backward, swiglu_quant, torch_swiglu_backward, torch_swiglu_quant
-from .transpose_quantize import (
-    torch_transpose_quantize,
-    torch_transpose_requantize,
-    transpose_quantize,
-    transpose_requantize,
-)
+if __name__ != "jetrl.kernels":
+    # This folder was found as a bare top-level `kernels` package: the checkout's root is on sys.path
+    # (`python -m ...` run from it). transformers probes the unrelated PyPI package `kernels` by
+    # importing it; stay inert (no version, no ops) so that probe reads "not installed" and the
+    # jetrl:: custom ops are registered once, by jetrl.kernels, never by a second copy of this code.
+    __all__: list[str] = []
+else:
+    from ._runtime import check_nonfinite, reset_nonfinite
+    from .quantize_1x128 import quantize_1x128, torch_quantize_1x128
+    from .quantize_128x128 import quantize_128x128, torch_quantize_128x128
+    from .rmsnorm_quant import rmsnorm_backward, rmsnorm_quant, torch_rmsnorm_backward, torch_rmsnorm_quant
+    from .swiglu_quant import swiglu_backward, swiglu_quant, torch_swiglu_backward, torch_swiglu_quant
+    from .transpose_quantize import (
+        torch_transpose_quantize,
+        torch_transpose_requantize,
+        transpose_quantize,
+        transpose_requantize,
+    )
 
-__all__ = [
-    "check_nonfinite",
-    "reset_nonfinite",
-    "quantize_1x128",
-    "torch_quantize_1x128",
-    "quantize_128x128",
-    "torch_quantize_128x128",
-    "transpose_quantize",
-    "torch_transpose_quantize",
-    "transpose_requantize",
-    "torch_transpose_requantize",
-    "rmsnorm_quant",
-    "torch_rmsnorm_quant",
-    "rmsnorm_backward",
-    "torch_rmsnorm_backward",
-    "swiglu_quant",
-    "torch_swiglu_quant",
-    "swiglu_backward",
-    "torch_swiglu_backward",
-]
+    __all__ = [
+        "check_nonfinite",
+        "reset_nonfinite",
+        "quantize_1x128",
+        "torch_quantize_1x128",
+        "quantize_128x128",
+        "torch_quantize_128x128",
+        "transpose_quantize",
+        "torch_transpose_quantize",
+        "transpose_requantize",
+        "torch_transpose_requantize",
+        "rmsnorm_quant",
+        "torch_rmsnorm_quant",
+        "rmsnorm_backward",
+        "torch_rmsnorm_backward",
+        "swiglu_quant",
+        "torch_swiglu_quant",
+        "swiglu_backward",
+        "torch_swiglu_backward",
+    ]
