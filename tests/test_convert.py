@@ -13,24 +13,17 @@ from jetrl.gemm.emulated import EmulatedBackend
 from jetrl.linear import JetFP8Linear
 from jetrl.recipe import Recipe
 from jetrl.testing.numerics import sqnr_db
+from jetrl.tiny import CharTokenizer, build_tiny_model
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
+
+
+VOCAB = CharTokenizer().vocab_size
 
 
 def tiny_qwen3(seed=0, dtype=torch.bfloat16):
-    cfg = transformers.Qwen3Config(
-        vocab_size=96,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=128,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    return transformers.Qwen3ForCausalLM(cfg).to(dtype)
+    """The project's tiny Qwen3 (every projection a multiple of 128), in `dtype`."""
+    return build_tiny_model(seed).to(dtype)
 
 
 class StrictBackend(EmulatedBackend):
@@ -66,7 +59,7 @@ def test_qwen3_report_and_names():
 
 def test_qwen3_loss_falls_and_tracks_bf16():
     torch.manual_seed(0)
-    ids = torch.randint(0, 96, (2, 32))
+    ids = torch.randint(0, VOCAB, (2, 32))
     losses = {}
     for recipe in ("bf16", "jetrl-unified"):
         model = tiny_qwen3(seed=1, dtype=torch.float32)
@@ -142,7 +135,7 @@ def test_fused_norm_and_swiglu_keep_numerics():
     bit-identical to the unfused conversion, and the gradients are as close to BF16 training as unfused
     ones (the fused backward kernels keep fp32 intermediates where autograd rounds to bf16, so the two FP8
     backward passes differ at the FP8 noise level, not more)."""
-    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(3))
     out = {}
     for recipe, fuse in (("bf16", False), ("jetrl-unified", False), ("jetrl-unified", True)):
         model = tiny_qwen3(seed=4)

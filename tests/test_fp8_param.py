@@ -9,24 +9,17 @@ import torch
 from jetrl import quant
 from jetrl.convert import convert_model
 from jetrl.fp8_param import enable_fp8_params, weight_memory_report
+from jetrl.tiny import CharTokenizer, build_tiny_model
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
+
+
+VOCAB = CharTokenizer().vocab_size
 
 
 def tiny_qwen3(seed=0, dtype=torch.bfloat16):
-    cfg = transformers.Qwen3Config(
-        vocab_size=96,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=128,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    return transformers.Qwen3ForCausalLM(cfg).to(dtype)
+    """The project's tiny Qwen3 (every projection a multiple of 128), in `dtype`."""
+    return build_tiny_model(seed).to(dtype)
 
 
 def test_fp8_params_train_and_requantize_once_per_step():
@@ -38,7 +31,7 @@ def test_fp8_params_train_and_requantize_once_per_step():
     assert [n for n, _ in model.named_parameters()] == names
     opt = torch.optim.AdamW(fp8.optimizer_parameters(model), lr=3e-3)
     fp8.attach(opt)
-    ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
     losses = []
     for step in range(4):
         with torch.autocast("cpu", dtype=torch.bfloat16):
