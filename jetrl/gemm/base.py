@@ -81,6 +81,13 @@ def pad_k(q: torch.Tensor, multiple: int = BLOCK) -> torch.Tensor:
     return out
 
 
+def empty_result(m: int, n: int, out_dtype: torch.dtype, c: torch.Tensor | None, device) -> torch.Tensor:
+    """``C + A @ B.T`` when M, N or K is 0: C (or zeros) in `out_dtype`."""
+    if c is not None:
+        return c.clone().to(out_dtype)
+    return torch.zeros((m, n), dtype=out_dtype, device=device)
+
+
 class GemmBackend:
     """One implementation of the three block-scaled FP8 GEMM roles. Subclasses set `name`,
     `scale_layout`, implement `_gemm` and may override `check_linear_shape`."""
@@ -90,6 +97,8 @@ class GemmBackend:
     """Layout of activation scales the backend reads without converting ("row" or "deepgemm")."""
     device_type: str = "cpu"
     """Device type of the operands this backend runs on ("cpu" or "cuda"); emulated runs on any."""
+    needs_block_multiples: bool = False
+    """The kernels take only in/out features that are multiples of 128 (K of fprop and of dgrad)."""
 
     def __repr__(self) -> str:
         return f"<jetrl GEMM backend {self.name!r}>"
@@ -98,6 +107,11 @@ class GemmBackend:
     def check_linear_shape(self, out_features: int, in_features: int) -> str | None:
         """None if a Linear ``[out_features, in_features]`` can run fprop, dgrad and wgrad on this
         backend, else the reason it cannot."""
+        if self.needs_block_multiples and (in_features % BLOCK or out_features % BLOCK):
+            return (
+                f"{self.name} needs in_features and out_features multiples of {BLOCK} (K of fprop and of dgrad), "
+                f"got out_features={out_features} in_features={in_features}"
+            )
         return None
 
     # -- the GEMM --------------------------------------------------------------------------------

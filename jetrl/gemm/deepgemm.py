@@ -20,9 +20,7 @@ import shutil
 
 import torch
 
-from jetrl.gemm.base import BackendUnavailableError, GemmBackend, pad_k, to_scale_layout
-from jetrl.gemm.torch_blockwise import _empty_result
-from jetrl.recipe import BLOCK
+from jetrl.gemm.base import BackendUnavailableError, GemmBackend, empty_result, pad_k, to_scale_layout
 
 _MODULES = ("deep_gemm", "vllm.third_party.deep_gemm")
 
@@ -45,6 +43,7 @@ def import_deep_gemm():
 
 class DeepGemmBackend(GemmBackend):
     name = "deepgemm"
+    needs_block_multiples = True
     scale_layout = "deepgemm"
     device_type = "cuda"
 
@@ -75,18 +74,10 @@ class DeepGemmBackend(GemmBackend):
             return "DeepGEMM JIT-compiles its kernels with nvcc: set CUDA_HOME or put nvcc on PATH"
         return None
 
-    def check_linear_shape(self, out_features: int, in_features: int) -> str | None:
-        if in_features % BLOCK or out_features % BLOCK:
-            return (
-                f"DeepGEMM needs in_features and out_features multiples of {BLOCK} (K of fprop and of dgrad), "
-                f"got out_features={out_features} in_features={in_features}"
-            )
-        return None
-
     def _gemm(self, a, a_s, b, b_s, *, role, out_dtype, c):
         m, n = a.shape[0], b.shape[0]
         if m == 0 or n == 0 or a.shape[1] == 0:
-            return _empty_result(m, n, out_dtype, c, a.device)
+            return empty_result(m, n, out_dtype, c, a.device)
         a, b = pad_k(a), pad_k(b)
         sa = to_scale_layout(a_s, "deepgemm")
         if role == "wgrad":

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import torch
 
-from jetrl.gemm.base import GemmBackend, align, pad_k, to_scale_layout
-from jetrl.recipe import BLOCK
+from jetrl.gemm.base import GemmBackend, align, empty_result, pad_k, to_scale_layout
 
 
 class TorchBlockwiseBackend(GemmBackend):
     name = "torch-blockwise"
+    needs_block_multiples = True
     scale_layout = "deepgemm"
     device_type = "cuda"
 
@@ -38,18 +38,10 @@ class TorchBlockwiseBackend(GemmBackend):
             return f"cuBLASLt 1x128/128x128 block scaling runs on sm_90 only; this GPU is sm_{major}{minor}"
         return None
 
-    def check_linear_shape(self, out_features: int, in_features: int) -> str | None:
-        if in_features % BLOCK or out_features % BLOCK:
-            return (
-                f"torch-blockwise needs in_features and out_features multiples of {BLOCK} (K of fprop and of "
-                f"dgrad), got out_features={out_features} in_features={in_features}"
-            )
-        return None
-
     def _gemm(self, a, a_s, b, b_s, *, role, out_dtype, c):
         m, n = a.shape[0], b.shape[0]
         if m == 0 or n == 0 or a.shape[1] == 0:
-            return _empty_result(m, n, out_dtype, c, a.device)
+            return empty_result(m, n, out_dtype, c, a.device)
         a, b = pad_k(a), pad_k(b)
         mp = align(m, 4)
         if mp != m:
@@ -68,9 +60,3 @@ class TorchBlockwiseBackend(GemmBackend):
         if c is not None:
             d = c + d
         return d.to(out_dtype)
-
-
-def _empty_result(m, n, out_dtype, c, device):
-    if c is not None:
-        return c.clone().to(out_dtype)
-    return torch.zeros((m, n), dtype=out_dtype, device=device)

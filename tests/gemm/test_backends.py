@@ -196,3 +196,18 @@ def test_gpu_fprop_rows_batch_invariant_and_hostile():
         assert torch.isfinite(full).all(), name
         rows = torch.cat([linear_fp8(x[i : i + 7], wq, ws, backend=name) for i in range(0, 14, 7)])
         assert max_abs_diff(full[:14], rows) == 0.0, f"{name}: rows depend on the batch"
+
+
+@pytest.mark.parametrize("cls_name", ["DeepGemmBackend", "TorchBlockwiseBackend"])
+def test_gpu_backends_state_their_shape_policy_without_a_gpu(cls_name):
+    """The shape policy convert_model relies on is plain Python: checked here even where the backend
+    cannot run (the instance is made without the availability check)."""
+    import jetrl.gemm.deepgemm as dg
+    import jetrl.gemm.torch_blockwise as tb
+
+    cls = getattr(dg if cls_name == "DeepGemmBackend" else tb, cls_name)
+    be = object.__new__(cls)
+    assert be.check_linear_shape(512, 256) is None
+    why = be.check_linear_shape(512, 200)
+    assert why is not None and be.name in why and "in_features=200" in why
+    assert be.check_linear_shape(100, 256) is not None
