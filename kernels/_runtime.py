@@ -32,6 +32,8 @@ __all__ = [
     "to_scale_layout",
     "check_matrix",
     "count_nonfinite",
+    "e4m3_scale",
+    "e4m3_grid",
 ]
 
 SCALE_LAYOUTS = ("row", "deepgemm")
@@ -136,6 +138,23 @@ def check_matrix(x: torch.Tensor, name: str, op: str, *, inner_contiguous: bool 
 def groups(k: int) -> int:
     """Number of 128-wide groups covering k."""
     return ceil_div(k, BLOCK)
+
+
+@triton.jit
+def e4m3_scale(amax, EPS: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Dequant scale of groups from their fp32 amax: ``max(amax, eps) / 448``, correctly rounded
+    (``tl.math.div_rn``: Triton's ``/`` is approximate). `jetrl.quant.compute_scale` in Triton; every
+    kernel computes its scales here."""
+    return tl.math.div_rn(tl.maximum(amax, EPS), tl.full(amax.shape, FP8_MAX, tl.float32))
+
+
+@triton.jit
+def e4m3_grid(x, s, FP8_MAX: tl.constexpr):
+    """``clamp(x / s, -448, 448)`` with a correctly rounded division (`s` already broadcastable to `x`):
+    the fp32 values whose round-to-nearest-even cast ``.to(tl.float8e4nv)`` are the e4m3 bytes.
+    `jetrl.quant`'s divide-then-clamp in Triton; every kernel maps values onto the grid here."""
+    y = tl.math.div_rn(x, s)
+    return tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
 
 
 @triton.jit

@@ -29,7 +29,7 @@ import triton.language as tl
 from jetrl import quant
 from jetrl.recipe import BLOCK, DEFAULT_EPS, E4M3_MAX
 
-from ._runtime import check_matrix, count_nonfinite, groups, nonfinite_flag
+from ._runtime import check_matrix, count_nonfinite, e4m3_grid, e4m3_scale, groups, nonfinite_flag
 
 __all__ = ["quantize_128x128", "torch_quantize_128x128", "launch_quantize_128x128"]
 
@@ -75,7 +75,7 @@ def _quantize_128x128_kernel(
     tl.store(flag_ptr + flag_slot, 1, mask=n_bad > 0)
 
     # one scale per block, correctly rounded
-    s = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), EPS), FP8_MAX)
+    s = e4m3_scale(tl.max(amax, axis=0), EPS, FP8_MAX)
     tl.store(s_ptr + pid_n * KB + pid_k, s)
     if WITH_T:
         tl.store(st_ptr + pid_k * NB + pid_n, s)
@@ -86,8 +86,7 @@ def _quantize_128x128_kernel(
         mask = (offs_n[:, None] < N) & mask_k[None, :]
         rows = offs_n.to(tl.int64)[:, None]
         w = tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-        y = tl.math.div_rn(w, tl.full([CHUNK_N, BLOCK], 1.0, tl.float32) * s)
-        y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+        y = e4m3_grid(w, tl.full([CHUNK_N, BLOCK], 1.0, tl.float32) * s, FP8_MAX)
         tl.store(q_ptr + rows * K + offs_k[None, :], y.to(tl.float8e4nv), mask=mask)
         if STORE_PRECAST:
             tl.store(pre_ptr + rows * K + offs_k[None, :], y, mask=mask)

@@ -27,6 +27,8 @@ from ._runtime import (
     SCALE_LAYOUTS,
     check_matrix,
     count_nonfinite,
+    e4m3_grid,
+    e4m3_scale,
     groups,
     nonfinite_flag,
     scale_buffer,
@@ -76,11 +78,10 @@ def _quantize_1x128_kernel(
 
     # scale per group: max(amax, eps) / 448, correctly rounded
     amax = tl.max(ax, axis=1)
-    s = tl.math.div_rn(tl.maximum(amax, EPS), tl.full([BLOCK_M], FP8_MAX, tl.float32))
+    s = e4m3_scale(amax, EPS, FP8_MAX)
 
     # quantize: true division, clamp, then the RNE cast
-    y = tl.math.div_rn(x, s[:, None])
-    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    y = e4m3_grid(x, s[:, None], FP8_MAX)
     tl.store(q_ptr + rows * stride_qm + offs_k[None, :], y.to(tl.float8e4nv), mask=mask)
     tl.store(s_ptr + offs_m * stride_sm + pid_g * stride_sg, s, mask=mask_m)
     if STORE_PRECAST:

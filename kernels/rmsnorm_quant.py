@@ -44,6 +44,8 @@ from ._runtime import (
     SCALE_LAYOUTS,
     check_matrix,
     count_nonfinite,
+    e4m3_grid,
+    e4m3_scale,
     groups,
     nonfinite_flag,
     scale_buffer,
@@ -97,9 +99,8 @@ def _norm_quant_chunk(
     # 1x128 quantization of the stored y: per-group amax over a [BLOCK_M, BLOCK_K/128, 128] view
     y3 = tl.reshape(yf, [BLOCK_M, BLOCK_K // GROUP, GROUP])
     amax = tl.max(tl.abs(y3), axis=2)
-    s = tl.math.div_rn(tl.maximum(amax, EPS), tl.full([BLOCK_M, BLOCK_K // GROUP], FP8_MAX, tl.float32))
-    qv = tl.math.div_rn(y3, s[:, :, None])
-    qv = tl.minimum(tl.maximum(qv, -FP8_MAX), FP8_MAX)
+    s = e4m3_scale(amax, EPS, FP8_MAX)
+    qv = e4m3_grid(y3, s[:, :, None], FP8_MAX)
     qv = tl.reshape(qv, [BLOCK_M, BLOCK_K])
     tl.store(q_ptr + rows * K + offs_k[None, :], qv.to(tl.float8e4nv), mask=mask)
     offs_g = tl.min(offs_k, axis=0) // GROUP + tl.arange(0, BLOCK_K // GROUP)

@@ -33,6 +33,8 @@ from ._runtime import (
     SCALE_LAYOUTS,
     check_matrix,
     count_nonfinite,
+    e4m3_grid,
+    e4m3_scale,
     groups,
     nonfinite_flag,
     scale_buffer,
@@ -105,9 +107,8 @@ def _swiglu_quant_kernel(
 
     # 1x128 quantization of the stored h
     amax = tl.max(ah, axis=1)
-    s = tl.math.div_rn(tl.maximum(amax, EPS), tl.full([BLOCK_M], FP8_MAX, tl.float32))
-    y = tl.math.div_rn(hf, s[:, None])
-    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    s = e4m3_scale(amax, EPS, FP8_MAX)
+    y = e4m3_grid(hf, s[:, None], FP8_MAX)
     tl.store(q_ptr + rows * N + offs_n[None, :], y.to(tl.float8e4nv), mask=mask)
     tl.store(s_ptr + offs_m * stride_sm + pid_g * stride_sg, s, mask=mask_m)
     if STORE_PRECAST:

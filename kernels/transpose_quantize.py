@@ -41,7 +41,7 @@ import triton.language as tl
 from jetrl import quant
 from jetrl.recipe import BLOCK, DEFAULT_EPS, E4M3_MAX
 
-from ._runtime import check_matrix, count_nonfinite, groups, nonfinite_flag
+from ._runtime import check_matrix, count_nonfinite, e4m3_grid, e4m3_scale, groups, nonfinite_flag
 
 __all__ = [
     "transpose_quantize",
@@ -102,11 +102,10 @@ def _transpose_quantize_kernel(
 
     # one scale per column of the tile (a 128-token group of X^T's row k)
     amax = tl.max(ax, axis=0)
-    s = tl.math.div_rn(tl.maximum(amax, EPS), tl.full([BLOCK_K], FP8_MAX, tl.float32))
+    s = e4m3_scale(amax, EPS, FP8_MAX)
 
     # quantize: true division, clamp, RNE cast; store transposed at q_t[k, m]
-    y = tl.math.div_rn(x, s[None, :])
-    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    y = e4m3_grid(x, s[None, :], FP8_MAX)
     cols = offs_k.to(tl.int64)[None, :]
     tl.store(qt_ptr + cols * M + offs_m[:, None], y.to(tl.float8e4nv), mask=mask)
     tl.store(st_ptr + offs_k * GM + pid_m, s, mask=mask_k)
