@@ -22,7 +22,8 @@ halves activation memory, at the price of a second rounding — its EXTRA ERROR:
   relative error (bounded by the column scale's grid, which can be coarser than the row's);
 - values far below their column group's amax become subnormal or flush to zero in the second pass
   even when the first pass had kept them (and vice versa), exactly as in a direct 128x1 quantization;
-- measured on randn bf16 ``[4096, 4096]`` (CPU, jetrl.quant): direct ``quantize_128x1`` has SQNR
+- measured on randn bf16 ``[4096, 4096]`` (CPU, jetrl.quant; pinned by the test
+  ``test_requantize_extra_error_matches_the_module_docstring``): direct ``quantize_128x1`` has SQNR
   31.8 dB against X; requantizing from the 1x128 bytes gives 28.8 dB (-3.0 dB: the two roundings
   add about equally); 29% of the bytes and 50% of the scales differ from the direct path (a column
   group's amax is itself a rounded value); the worst relative error of values above 0.1 grows from

@@ -147,3 +147,20 @@ def test_gpu_nonfinite_flag():
     K.transpose_quantize(x, name="layers.5.mlp.gate_proj:input")
     with pytest.raises(quant.NonFiniteError, match=r"jetrl::transpose_quantize on layers\.5\.mlp\.gate_proj:input"):
         K.check_nonfinite()
+
+
+def test_requantize_extra_error_matches_the_module_docstring():
+    """The figures the module docstring states for transpose_requantize's second rounding (randn bf16
+    [4096, 4096], reference path): 31.8 dB direct vs 28.8 dB requantized, 29% of bytes and 50% of
+    scales differ, worst relative error above 0.1 grows from 5.9% to 12.0%."""
+    x = torch.randn(4096, 4096, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    q_direct, s_direct = K.torch_transpose_quantize(x)
+    q_re, s_re = K.torch_transpose_requantize(*quant.quantize_1x128(x))
+    xt = x.float().t()
+    direct, re = quant.dequantize_1x128(q_direct, s_direct), quant.dequantize_1x128(q_re, s_re)
+    assert abs(sqnr_db(xt, direct) - 31.8) < 0.1 and abs(sqnr_db(xt, re) - 28.8) < 0.1
+    assert abs(float((q_direct.view(torch.uint8) != q_re.view(torch.uint8)).float().mean()) - 0.29) < 0.01
+    assert abs(float((s_direct != s_re).float().mean()) - 0.50) < 0.01
+    big = xt.abs() > 0.1
+    assert abs(float(((direct - xt).abs() / xt.abs())[big].max()) - 0.059) < 0.001
+    assert abs(float(((re - xt).abs() / xt.abs())[big].max()) - 0.120) < 0.001
