@@ -1,0 +1,28 @@
+"""Suite-wide guard: on CI, optional-looking dependencies are required.
+
+Several modules skip when vLLM or transformers cannot be imported (so the suite collects on a bare
+machine). On CI (``CI`` set, as `.ci/run` runs) such a skip would hide a broken install, so a missing
+dependency fails the session at once instead.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+
+REQUIRED_ON_CI = ("vllm", "transformers", "triton", "ml_dtypes")
+
+
+def pytest_sessionstart(session):
+    if not os.environ.get("CI"):
+        return
+    broken = []
+    for name in REQUIRED_ON_CI:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - any import failure is the finding
+            broken.append(f"{name}: {type(e).__name__}: {e}")
+    if broken:
+        raise pytest.UsageError("CI must run every CPU test, but these cannot be imported: " + "; ".join(broken))
