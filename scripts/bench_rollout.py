@@ -157,12 +157,95 @@ def _trainer(args, recipe):
     return model.eval()
 
 
-def run(args) -> dict:
+def _run_mode(args, mode, recipe, rollout, path, vocab, shapes, result) -> None:
+    from jetrl.rollout.adapter import create_engine
+
+    kw = {"load_format": "dummy"} if not args.tiny else {}
+    if args.tiny:
+        kw["kv_cache_memory_bytes"] = 64 << 20
+    else:
+        kw["gpu_memory_utilization"] = args.gpu_memory_utilization
+        kw["skip_tokenizer_init"] = True
+        if not args.enforce_eager and args.capture_sizes:
+            kw["compilation_config"] = {"cudagraph_capture_sizes": args.capture_sizes}
+    engine = create_engine(
+        path,
+        recipe,
+        seed=0,
+        max_model_len=args.max_model_len,
+        enforce_eager=args.enforce_eager,
+        rollout=rollout,
+        backend=args.backend,
+        **kw,
+    )
+    try:
+        _measure(args, mode, recipe, engine, vocab, shapes, result)
+    finally:
+        engine.close()
+
+
+def _measure(args, mode, recipe, engine, vocab, shapes, result) -> None:
+    from jetrl.rollout.sync import sync_weights
+
+    result["engine_start_s"][mode] = engine.start_seconds
+    print(f"[{mode}] engine start {engine.start_seconds:.1f} s ({engine.quantization})", flush=True)
+    result["decode"][mode] = [_decode(engine, b, i, o, vocab, 0, args.repeats) for b, i, o in shapes]
+    if mode in args.sync_modes:
+        trainer = _trainer(args, recipe)
+        reports = [sync_weights(trainer, engine, recipe).to_dict() for _ in range(2)]
+        result["sync"][mode] = {"first": reports[0], "steady": reports[1]}
+        if args.tiny:
+            from jetrl.rollout.parity import logprob_mismatch
+            from jetrl.tiny import CharTokenizer
+
+            tok = CharTokenizer()
+            prompts = [tok.encode(p) for p in ("12+7=", "3*4=", "100-1=", "7*8=", "hello ", "9+9+9=")]
+            samples = engine.generate(prompts, n=4, max_tokens=32, seed=1234)
+            result.setdefault("logprob_mismatch", {})[recipe.name] = logprob_mismatch(trainer, samples)
+        del trainer
+
+
+def _run_child(mode: str, tmp: Path, result: dict) -> None:
+    """Run one mode in a fresh process (an in-process vLLM engine does not give all its GPU memory back
+    when closed) and merge its per-mode entries into `result`."""
+    import subprocess
+
+    child_out = tmp / f"{mode}.json"
+    argv, skip = [], False
+    for a in sys.argv[1:]:  # drop --out / --out=X / --modes ... (replaced below)
+        if a.startswith("--"):
+            skip = a in ("--out", "--modes")
+            if a.startswith(("--out", "--modes")):
+                continue
+        elif skip:
+            continue
+        argv.append(a)
+    cmd = [sys.executable, __file__, *argv, "--modes", mode, "--no-isolate", f"--out={child_out}"]
+    proc = subprocess.run(cmd, env=os.environ.copy())
+    if not child_out.exists():
+        raise RuntimeError(f"bench_rollout child for {mode} exited {proc.returncode} without results")
+    child = json.loads(child_out.read_text())
+    for key in ("decode", "engine_start_s", "sync", "unavailable", "errors", "logprob_mismatch"):
+        result.setdefault(key, {}).update(child.get(key, {}))
+    if proc.returncode != 0 and mode not in result["errors"]:
+        result["errors"][mode] = f"child exited {proc.returncode}"
+
+
+def _save(result: dict, out: Path | None) -> None:
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def run(args, out: Path | None = None) -> dict:
+    """Run every mode; the JSON at `out` is rewritten after each one, so a run cut short keeps what it
+    measured. A mode that raises is recorded under ``errors`` (the others still run)."""
+    import traceback
+
     import torch
 
     from jetrl.recipe import Recipe
-    from jetrl.rollout.adapter import create_engine, stock_block_fp8_unavailable_reason
-    from jetrl.rollout.sync import sync_weights
+    from jetrl.rollout.adapter import stock_block_fp8_unavailable_reason
 
     shapes = [(8, 32, 32), (16, 32, 32)] if args.tiny else [(64, 256, 256), (256, 256, 512)]
     result = {
@@ -173,12 +256,14 @@ def run(args) -> dict:
         "model": "tiny-qwen3 (jetrl.tiny)" if args.tiny else "Llama-3.1-8B shape, random weights",
         "backend": args.backend,
         "enforce_eager": args.enforce_eager,
+        "cudagraph_capture_sizes": None if args.enforce_eager else args.capture_sizes,
         "repeats": args.repeats,
         "tok_s_note": "median of repeats; decode = prompts of input_len random ids, output_len tokens, ignore_eos",
         "decode": {},
         "engine_start_s": {},
         "sync": {},
         "unavailable": {},
+        "errors": {},
     }
     with tempfile.TemporaryDirectory() as tmp:
         path, vocab = _model_dir(args, Path(tmp))
@@ -189,43 +274,18 @@ def run(args) -> dict:
                 result["unavailable"][mode] = reason
                 print(f"[{mode}] skipped: {reason}", flush=True)
                 continue
-            kw = {"load_format": "dummy"} if not args.tiny else {}
-            if args.tiny:
-                kw["kv_cache_memory_bytes"] = 64 << 20
-            else:
-                kw["gpu_memory_utilization"] = args.gpu_memory_utilization
-                kw["skip_tokenizer_init"] = True
-            engine = create_engine(
-                path,
-                recipe,
-                seed=0,
-                max_model_len=args.max_model_len,
-                enforce_eager=args.enforce_eager,
-                rollout=rollout,
-                backend=args.backend,
-                **kw,
-            )
-            result["engine_start_s"][mode] = engine.start_seconds
-            print(f"[{mode}] engine start {engine.start_seconds:.1f} s ({engine.quantization})", flush=True)
-            result["decode"][mode] = [_decode(engine, b, i, o, vocab, 0, args.repeats) for b, i, o in shapes]
-            if mode in args.sync_modes:
-                trainer = _trainer(args, recipe)
-                reports = [sync_weights(trainer, engine, recipe).to_dict() for _ in range(2)]
-                result["sync"][mode] = {"first": reports[0], "steady": reports[1]}
-                if args.tiny:
-                    from jetrl.rollout.parity import logprob_mismatch
-                    from jetrl.tiny import CharTokenizer
-
-                    tok = CharTokenizer()
-                    prompts = [tok.encode(p) for p in ("12+7=", "3*4=", "100-1=", "7*8=", "hello ", "9+9+9=")]
-                    samples = engine.generate(prompts, n=4, max_tokens=32, seed=1234)
-                    result.setdefault("logprob_mismatch", {})[recipe.name] = logprob_mismatch(trainer, samples)
-                del trainer
-            engine.close()
-            del engine
+            try:
+                if args.isolate:
+                    _run_child(mode, Path(tmp), result)
+                else:
+                    _run_mode(args, mode, recipe, rollout, path, vocab, shapes, result)
+            except Exception:
+                result["errors"][mode] = traceback.format_exc()
+                print(f"[{mode}] FAILED:\n{result['errors'][mode]}", flush=True)
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
+            _save(result, out)
     return result
 
 
@@ -259,8 +319,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default=None, help="jetrl.gemm backend (default: emulated with --tiny, else auto)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / torch.compile (always on CPU)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.45)
+    p.add_argument(
+        "--capture-sizes",
+        type=lambda v: [int(x) for x in v.split(",") if x],
+        default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
+        help="decode batch sizes vLLM captures CUDA graphs for (comma list; '' = vLLM's default list)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed decode runs per shape (median reported)")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--isolate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run every mode in this process (default on CPU; on a GPU each mode gets its own process)",
+    )
     p.add_argument("--out", default=None, help="JSON path (default scripts/results/rollout-<cpu|gpu>.json)")
     args = p.parse_args(argv)
     if args.backend is None:
@@ -271,15 +343,16 @@ def main(argv: list[str] | None = None) -> int:
         args.modes = DEFAULT_MODES["cpu" if args.tiny else "gpu"]
     if args.sync_modes is None:
         args.sync_modes = ["bf16", "jetrl_fp8", "naive_fp8"] if args.tiny else ["jetrl_fp8"]
+    if args.isolate is None:
+        args.isolate = not args.tiny and len(args.modes) > 1
     if args.max_model_len is None:
         args.max_model_len = 128 if args.tiny else 1024
-    result = run(args)
     out = Path(args.out or Path(__file__).parent / "results" / f"rollout-{'cpu' if args.tiny else 'gpu'}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    result = run(args, out)
+    _save(result, out)
     print(_table(result))
     print(f"wrote {out}")
-    return 0
+    return 1 if result["errors"] else 0
 
 
 if __name__ == "__main__":

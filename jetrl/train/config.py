@@ -139,6 +139,9 @@ class RolloutConfig:
     """Fraction of device memory (on CPU: of host memory) vLLM reserves; None = adapter default."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for `jetrl.rollout.adapter.create_engine`."""
+    ignore_eos: bool = False
+    """Generate every response to `max_tokens` (benchmarks: stable token counts; such responses never
+    finish with 'stop', so they earn no reward)."""
 
 
 _ALGO_PRESETS: dict[str, dict[str, Any]] = {

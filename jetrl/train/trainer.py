@@ -246,6 +246,7 @@ class Trainer:
             top_p=r.top_p if temperature > 0 else 1.0,
             max_tokens=r.max_tokens,
             seed=seed,
+            ignore_eos=r.ignore_eos,
         )
 
     def _score(self, problems: list[Problem], samples: list, n: int) -> tuple[torch.Tensor, torch.Tensor]:
