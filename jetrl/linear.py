@@ -36,6 +36,12 @@ FP8 Linears; `jetrl.kernels.rmsnorm_quant`) and `JetSwiGLUMLP` (replaces an HF g
 SiLU; `jetrl.kernels.swiglu_quant` between up/gate and down). Both keep HF numerics and parameter
 names; `jetrl.convert.convert_model(..., fuse=True)` installs them.
 
+Host cost. In eager CUDA training the quantizers are called through `jetrl.gemm.quantize`, which
+launches the Triton kernels directly instead of through the ``jetrl::`` custom ops (~0.2 ms of
+dispatcher time each, more than most of the kernels take); the ops stay in use wherever something
+traces or intercepts (torch.compile, FakeTensor, the lint's capture): see `eager_fast_path` there.
+The backward reads the saved X scales in whatever layout the backend asked for (no copy).
+
 `fp8_param` mode (`jetrl.fp8_param`): the module's ``weight`` holds the fp8 bytes themselves (with a
 ``weight_scale_inv`` buffer) and wgrad goes to an fp32 master held by the optimizer path; see there.
 """
@@ -48,7 +54,6 @@ import torch
 from torch import nn
 
 from jetrl.gemm import GemmBackend, fprop, get_backend
-from jetrl.gemm.base import to_scale_layout
 from jetrl.gemm.quantize import quantize_1x128, quantize_128x128, transpose_quantize, transpose_requantize
 from jetrl.recipe import Recipe, RecipeError
 
@@ -142,7 +147,8 @@ class _FP8LinearFn(torch.autograd.Function):
             dyt_q, dyt_s = transpose_quantize(dy2, name=f"{nm}:grad_output")
             if ctx.fp8_saved:
                 xq, xs = ctx.saved_tensors
-                xt_q, xt_s = transpose_requantize(xq, to_scale_layout(xs, "row"), name=f"{nm}:input")
+                # the requantize reads either scale layout as is (no row-major copy of DeepGEMM's layout)
+                xt_q, xt_s = transpose_requantize(xq, xs, name=f"{nm}:input")
             else:
                 (x2,) = ctx.saved_tensors
                 xt_q, xt_s = transpose_quantize(x2, name=f"{nm}:input")
