@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from jetrl.gemm import GemmBackend, fprop, get_backend
+from jetrl.gemm import quantize as gq
 from jetrl.gemm.quantize import quantize_1x128, quantize_128x128, transpose_quantize, transpose_requantize
 from jetrl.recipe import Recipe, RecipeError
 
@@ -306,6 +307,41 @@ def _scale_layout_of(linears) -> str:
     return "row"
 
 
+class _RMSNormQuantFn(torch.autograd.Function):
+    """Eager fast path of ``jetrl::rmsnorm_quant`` (see `jetrl.gemm.quantize.eager_fast_path`): the
+    launchers its CUDA kernel registration runs, and the backward its registered autograd runs."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, scale_layout, name):
+        y, q, s, rstd = gq.launcher("rmsnorm_quant", "launch_rmsnorm_quant")(x, weight, eps, scale_layout, name)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.mark_non_differentiable(q, s, rstd)
+        return y, q, s, rstd
+
+    @staticmethod
+    def backward(ctx, dy, dq, ds, drstd):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = gq.launcher("rmsnorm_quant", "launch_rmsnorm_backward")(dy.contiguous(), x, weight, rstd)
+        return dx, dw, None, None, None
+
+
+class _SwiGLUQuantFn(torch.autograd.Function):
+    """Eager fast path of ``jetrl::swiglu_quant``, as `_RMSNormQuantFn`."""
+
+    @staticmethod
+    def forward(ctx, gate, up, scale_layout, name):
+        h, q, s = gq.launcher("swiglu_quant", "launch_swiglu_quant")(gate, up, scale_layout, name)
+        ctx.save_for_backward(gate, up)
+        ctx.mark_non_differentiable(q, s)
+        return h, q, s
+
+    @staticmethod
+    def backward(ctx, dh, dq, ds):
+        gate, up = ctx.saved_tensors
+        dg, du = gq.launcher("swiglu_quant", "launch_swiglu_backward")(dh.contiguous(), gate, up)
+        return dg, du, None, None
+
+
 class JetRMSNormQuant(nn.Module):
     """HF Llama/Qwen RMSNorm (``weight * (x_f32 * rsqrt(mean(x_f32^2) + eps)).to(x.dtype)``) fused with
     the 1x128 quantization of its output, which it attaches to the output for the next JetFP8Linears.
@@ -330,13 +366,12 @@ class JetRMSNormQuant(nn.Module):
                 f"{self.weight.dtype} x {x.dtype}); convert without fuse=True for mixed dtypes"
             )
         k = x.shape[-1]
-        y, q, s, _ = rmsnorm_quant(
-            x.reshape(-1, k).contiguous(),
-            self.weight,
-            self.variance_epsilon,
-            scale_layout=self.scale_layout,
-            name=f"{self.layer_name}:output",
-        )
+        x2 = x.reshape(-1, k).contiguous()
+        w, eps, layout, name = self.weight, self.variance_epsilon, self.scale_layout, f"{self.layer_name}:output"
+        if gq.eager_fast_path(x2) and gq.eager_fast_path(w):
+            y, q, s, _ = _RMSNormQuantFn.apply(x2, w, eps, layout, name)
+        else:
+            y, q, s, _ = rmsnorm_quant(x2, w, eps, scale_layout=layout, name=name)
         return attach_quantized(y.view(x.shape), q, s)
 
     def extra_repr(self) -> str:
@@ -363,10 +398,10 @@ class JetSwiGLUMLP(nn.Module):
 
         g, u = self.gate_proj(x), self.up_proj(x)
         n = g.shape[-1]
-        h, q, s = swiglu_quant(
-            g.reshape(-1, n),
-            u.reshape(-1, n),
-            scale_layout=_scale_layout_of([self.down_proj]),
-            name=f"{self.layer_name}.down_proj:input",
-        )
+        g2, u2 = g.reshape(-1, n), u.reshape(-1, n)
+        layout, name = _scale_layout_of([self.down_proj]), f"{self.layer_name}.down_proj:input"
+        if gq.eager_fast_path(g2) and gq.eager_fast_path(u2):
+            h, q, s = _SwiGLUQuantFn.apply(g2, u2, layout, name)
+        else:
+            h, q, s = swiglu_quant(g2, u2, scale_layout=layout, name=name)
         return self.down_proj(attach_quantized(h.view(g.shape), q, s))

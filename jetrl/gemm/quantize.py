@@ -37,6 +37,7 @@ __all__ = [
     "quantize_paths",
     "QUANTIZE_IMPLS",
     "eager_fast_path",
+    "launcher",
 ]
 
 QUANTIZE_IMPLS = ("kernels", "kernels+compose", "reference")
@@ -95,7 +96,7 @@ def eager_fast_path(x: torch.Tensor) -> bool:
     )
 
 
-def _launcher(module: str, fn: str):
+def launcher(module: str, fn: str):
     """``jetrl.kernels.<module>.<fn>`` (the package re-exports each op under its module's name, so
     the module is imported by its dotted path); cached after the first call."""
     key = f"{module}.{fn}"
@@ -129,7 +130,7 @@ def _route(op: str, x: torch.Tensor):
 def quantize_1x128(x: torch.Tensor, *, scale_layout: str = "row", name: str = "x"):
     """x [M, K] -> (q e4m3 [M, K], s fp32 [M, ceil(K/128)] in `scale_layout`)."""
     if eager_fast_path(x):
-        return _launcher("quantize_1x128", "launch_quantize_1x128")(x, scale_layout, name)
+        return launcher("quantize_1x128", "launch_quantize_1x128")(x, scale_layout, name)
     fn = _route("quantize_1x128", x)
     if fn is not None:
         return fn(x, scale_layout=scale_layout, name=name)
@@ -140,7 +141,7 @@ def quantize_1x128(x: torch.Tensor, *, scale_layout: str = "row", name: str = "x
 def quantize_128x128(w: torch.Tensor, *, with_transpose: bool = False, name: str = "w"):
     """w [N, K] -> (q, s) or (q, s, q_t [K, N], s_t [ceil(K/128), ceil(N/128)]), all contiguous."""
     if eager_fast_path(w):
-        return _launcher("quantize_128x128", "launch_quantize_128x128")(w, bool(with_transpose), name)
+        return launcher("quantize_128x128", "launch_quantize_128x128")(w, bool(with_transpose), name)
     fn = _route("quantize_128x128", w)
     if fn is not None:
         return fn(w, with_transpose=with_transpose, name=name)
@@ -157,7 +158,7 @@ def _composable(op: str, x: torch.Tensor) -> bool:
 def transpose_quantize(x: torch.Tensor, *, name: str = "x"):
     """x [M, K] -> quantize_128x1(x): (q_t [K, M], s_t [K, ceil(M/128)])."""
     if eager_fast_path(x):
-        return _launcher("transpose_quantize", "launch_transpose_quantize")(x, name)
+        return launcher("transpose_quantize", "launch_transpose_quantize")(x, name)
     if _composable("transpose_quantize", x):
         return _kernel("quantize_1x128")(x.t().contiguous(), scale_layout="row", name=name)
     fn = _route("transpose_quantize", x)
@@ -170,7 +171,7 @@ def transpose_requantize(q: torch.Tensor, s: torch.Tensor, *, name: str = "x"):
     """1x128-quantized [M, K] -> dequantize, transpose, requantize 1x128 along M: (q_t [K, M], s_t).
     `s` may be in either scale layout (row-major or DeepGEMM's MN-major): no copy is made for it."""
     if eager_fast_path(q) and type(s) in _PLAIN:
-        return _launcher("transpose_quantize", "launch_transpose_requantize")(q, s, name)
+        return launcher("transpose_quantize", "launch_transpose_requantize")(q, s, name)
     if _composable("transpose_requantize", q):
         x = quant.dequantize_1x128(q, s.contiguous(), name=name)
         return _kernel("quantize_1x128")(x.t().contiguous(), scale_layout="row", name=name)
