@@ -273,6 +273,8 @@ class JetFP8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{self.layer_name}: input has {x.shape[-1]} features, expected {self.in_features}")
+        if x.device != self.weight.device:
+            raise ValueError(f"{self.layer_name}: input is on {x.device} but the weight is on {self.weight.device}")
         pre = quantized_of(x)
         grad_weight = self._master if self._master is not None else self.weight
         return _FP8LinearFn.apply(x, grad_weight, self.bias, self, pre)
