@@ -36,6 +36,12 @@ FP8 Linears; `jetrl.kernels.rmsnorm_quant`) and `JetSwiGLUMLP` (replaces an HF g
 SiLU; `jetrl.kernels.swiglu_quant` between up/gate and down). Both keep HF numerics and parameter
 names; `jetrl.convert.convert_model(..., fuse=True)` installs them.
 
+Host cost. In eager CUDA training the quantizers are called through `jetrl.gemm.quantize`, which
+launches the Triton kernels directly instead of through the ``jetrl::`` custom ops (~0.2 ms of
+dispatcher time each, more than most of the kernels take); the ops stay in use wherever something
+traces or intercepts (torch.compile, FakeTensor, the lint's capture): see `eager_fast_path` there.
+The backward reads the saved X scales in whatever layout the backend asked for (no copy).
+
 `fp8_param` mode (`jetrl.fp8_param`): the module's ``weight`` holds the fp8 bytes themselves (with a
 ``weight_scale_inv`` buffer) and wgrad goes to an fp32 master held by the optimizer path; see there.
 """
@@ -48,7 +54,7 @@ import torch
 from torch import nn
 
 from jetrl.gemm import GemmBackend, fprop, get_backend
-from jetrl.gemm.base import to_scale_layout
+from jetrl.gemm import quantize as gq
 from jetrl.gemm.quantize import quantize_1x128, quantize_128x128, transpose_quantize, transpose_requantize
 from jetrl.recipe import Recipe, RecipeError
 
@@ -142,7 +148,8 @@ class _FP8LinearFn(torch.autograd.Function):
             dyt_q, dyt_s = transpose_quantize(dy2, name=f"{nm}:grad_output")
             if ctx.fp8_saved:
                 xq, xs = ctx.saved_tensors
-                xt_q, xt_s = transpose_requantize(xq, to_scale_layout(xs, "row"), name=f"{nm}:input")
+                # the requantize reads either scale layout as is (no row-major copy of DeepGEMM's layout)
+                xt_q, xt_s = transpose_requantize(xq, xs, name=f"{nm}:input")
             else:
                 (x2,) = ctx.saved_tensors
                 xt_q, xt_s = transpose_quantize(x2, name=f"{nm}:input")
@@ -266,6 +273,8 @@ class JetFP8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"{self.layer_name}: input has {x.shape[-1]} features, expected {self.in_features}")
+        if x.device != self.weight.device:
+            raise ValueError(f"{self.layer_name}: input is on {x.device} but the weight is on {self.weight.device}")
         pre = quantized_of(x)
         grad_weight = self._master if self._master is not None else self.weight
         return _FP8LinearFn.apply(x, grad_weight, self.bias, self, pre)
@@ -300,6 +309,41 @@ def _scale_layout_of(linears) -> str:
     return "row"
 
 
+class _RMSNormQuantFn(torch.autograd.Function):
+    """Eager fast path of ``jetrl::rmsnorm_quant`` (see `jetrl.gemm.quantize.eager_fast_path`): the
+    launchers its CUDA kernel registration runs, and the backward its registered autograd runs."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, scale_layout, name):
+        y, q, s, rstd = gq.launcher("rmsnorm_quant", "launch_rmsnorm_quant")(x, weight, eps, scale_layout, name)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.mark_non_differentiable(q, s, rstd)
+        return y, q, s, rstd
+
+    @staticmethod
+    def backward(ctx, dy, dq, ds, drstd):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = gq.launcher("rmsnorm_quant", "launch_rmsnorm_backward")(dy.contiguous(), x, weight, rstd)
+        return dx, dw, None, None, None
+
+
+class _SwiGLUQuantFn(torch.autograd.Function):
+    """Eager fast path of ``jetrl::swiglu_quant``, as `_RMSNormQuantFn`."""
+
+    @staticmethod
+    def forward(ctx, gate, up, scale_layout, name):
+        h, q, s = gq.launcher("swiglu_quant", "launch_swiglu_quant")(gate, up, scale_layout, name)
+        ctx.save_for_backward(gate, up)
+        ctx.mark_non_differentiable(q, s)
+        return h, q, s
+
+    @staticmethod
+    def backward(ctx, dh, dq, ds):
+        gate, up = ctx.saved_tensors
+        dg, du = gq.launcher("swiglu_quant", "launch_swiglu_backward")(dh.contiguous(), gate, up)
+        return dg, du, None, None
+
+
 class JetRMSNormQuant(nn.Module):
     """HF Llama/Qwen RMSNorm (``weight * (x_f32 * rsqrt(mean(x_f32^2) + eps)).to(x.dtype)``) fused with
     the 1x128 quantization of its output, which it attaches to the output for the next JetFP8Linears.
@@ -324,13 +368,12 @@ class JetRMSNormQuant(nn.Module):
                 f"{self.weight.dtype} x {x.dtype}); convert without fuse=True for mixed dtypes"
             )
         k = x.shape[-1]
-        y, q, s, _ = rmsnorm_quant(
-            x.reshape(-1, k).contiguous(),
-            self.weight,
-            self.variance_epsilon,
-            scale_layout=self.scale_layout,
-            name=f"{self.layer_name}:output",
-        )
+        x2 = x.reshape(-1, k).contiguous()
+        w, eps, layout, name = self.weight, self.variance_epsilon, self.scale_layout, f"{self.layer_name}:output"
+        if gq.eager_fast_path(x2) and gq.eager_fast_path(w):
+            y, q, s, _ = _RMSNormQuantFn.apply(x2, w, eps, layout, name)
+        else:
+            y, q, s, _ = rmsnorm_quant(x2, w, eps, scale_layout=layout, name=name)
         return attach_quantized(y.view(x.shape), q, s)
 
     def extra_repr(self) -> str:
@@ -357,10 +400,10 @@ class JetSwiGLUMLP(nn.Module):
 
         g, u = self.gate_proj(x), self.up_proj(x)
         n = g.shape[-1]
-        h, q, s = swiglu_quant(
-            g.reshape(-1, n),
-            u.reshape(-1, n),
-            scale_layout=_scale_layout_of([self.down_proj]),
-            name=f"{self.layer_name}.down_proj:input",
-        )
+        g2, u2 = g.reshape(-1, n), u.reshape(-1, n)
+        layout, name = _scale_layout_of([self.down_proj]), f"{self.layer_name}.down_proj:input"
+        if gq.eager_fast_path(g2) and gq.eager_fast_path(u2):
+            h, q, s = _SwiGLUQuantFn.apply(g2, u2, layout, name)
+        else:
+            h, q, s = swiglu_quant(g2, u2, scale_layout=layout, name=name)
         return self.down_proj(attach_quantized(h.view(g.shape), q, s))

@@ -221,6 +221,8 @@ def test_errors_name_the_layer():
     layer = _layer(256, 128)
     with pytest.raises(ValueError, match="test.proj: input has 128 features, expected 256"):
         layer(torch.randn(2, 128))
+    with pytest.raises(ValueError, match="test.proj: input is on meta but the weight is on cpu"):
+        layer(torch.randn(2, 256, device="meta"))
     with pytest.raises(RecipeError, match="does not train in FP8"):
         JetFP8Linear(256, 128, recipe="bf16", backend="emulated")
     bad = torch.randn(2, 256)

@@ -66,9 +66,12 @@ def linear_fp8(
     """FP8 Linear forward. Input: x ``[..., K]`` bf16/fp16/fp32; w_q e4m3 ``[N, K]``; w_s fp32
     ``[ceil(N/128), ceil(K/128)]``; bias ``[N]`` or None. Output: ``[..., N]`` in x.dtype.
     `name` names x in non-finite errors (e.g. "model.layers.3.mlp.down_proj:input")."""
-    from jetrl.gemm import get_backend
+    if isinstance(backend, GemmBackend):  # the hot path: callers hold the backend object
+        be = backend
+    else:
+        from jetrl.gemm import get_backend  # jetrl.gemm imports this module
 
-    be = get_backend(backend)
+        be = get_backend(backend)
     if x.dim() < 1:
         raise ValueError(f"{name}: linear_fp8 input must have a feature dim, got shape {tuple(x.shape)}")
     k = x.shape[-1]
