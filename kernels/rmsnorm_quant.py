@@ -21,17 +21,21 @@ Backward (fp32 math, outputs in the input dtypes), with ``xhat = x * rstd`` and 
 dweight is reduced in two deterministic stages: each program accumulates its rows in fp32 registers
 and writes one partial row; the partials are summed in fp32 by torch.
 
-The forward holds rows of up to 4096 in registers (``BLOCK_K = next_pow2(K)``, several rows per
-program when K is small); longer rows go in two passes over 4096-wide chunks (sum of squares, then
-normalize + quantize re-reading the chunk from L2), since a 16384-lane register row (K = 14336)
-measured only 1.4 TB/s on the H200. A tile is viewed as ``[rows, BLOCK_K/128, 128]`` for the
-per-group amax.
+The forward holds rows of up to 16384 in registers by default (``BLOCK_K = next_pow2(K)``, several
+rows per program when K is small, ~16 fp32 lanes per thread, up to 32 warps): X is read once.
+Longer rows, or a smaller ``block_k`` passed to the launcher, go in two passes over BLOCK_K-wide
+chunks (sum of squares, then normalize + quantize re-reading the chunk from L2). An earlier
+16384-lane register row with fewer warps measured only 1.4 TB/s on the H200, which is why the
+two-pass path exists; `default_config` documents the choice and the sweep times both. A tile is
+viewed as ``[rows, BLOCK_K/128, 128]`` for the per-group amax.
 
 `rmsnorm_quant` is registered with autograd: the gradient of y flows to x and weight through
 `rmsnorm_backward`; q, s and rstd are not differentiable.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -220,17 +224,34 @@ def _rmsnorm_backward_kernel(
     tl.store(dw_part_ptr + pid.to(tl.int64) * K + offs_k, dw_acc, mask=mask_k)
 
 
-def _fwd_config(k: int) -> tuple[int, int, int, bool]:
-    """(BLOCK_M, BLOCK_K, num_warps, SINGLE): rows up to MAX_SINGLE_K stay in registers; longer rows
-    are processed in MAX_SINGLE_K chunks (a 16384-lane register row measured 1.4 TB/s on the H200)."""
+@functools.lru_cache(maxsize=256)
+def default_config(m: int, k: int) -> tuple[int, int, int, int]:
+    """``(block_m, block_k, num_warps, num_stages)`` of the forward for an ``[m, k]`` input.
+
+    Rows up to `MAX_SINGLE_K` stay in registers (``block_k = next_pow2(k)``, X read once), with about
+    16 fp32 lanes per thread (``num_warps = block_m * block_k / 512``, 4..32) and several rows per
+    program while a row is narrower than 4096. Longer rows take the two-pass path (``block_k`` wide
+    chunks; pass 2 re-reads X from L2). Last session's default (two passes of 4096 for K = 14336,
+    8 warps) reached 52% of copy on the H200; `bench_kernels.py --sweep` times `SWEEP_CONFIGS`.
+    """
     if k <= MAX_SINGLE_K:
         block_k = max(BLOCK, triton.next_power_of_2(k))
         block_m = max(1, 4096 // block_k)
-        return block_m, block_k, (8 if block_k * block_m >= 4096 else 4), True
-    return 1, MAX_SINGLE_K, 8, False
+        return block_m, block_k, min(32, max(4, block_m * block_k // 512)), 1
+    return 1, 4096, 8, 1
 
 
-MAX_SINGLE_K = 4096
+MAX_SINGLE_K = 16384
+
+SWEEP_CONFIGS = [
+    dict(block_m=1, block_k=4096, num_warps=8),
+    dict(block_m=1, block_k=4096, num_warps=16),
+    dict(block_m=2, block_k=4096, num_warps=16),
+    dict(block_m=1, block_k=8192, num_warps=16),
+    dict(block_m=1, block_k=16384, num_warps=16),
+    dict(block_m=1, block_k=16384, num_warps=32),
+    dict(block_m=2, block_k=16384, num_warps=32),
+]
 
 
 def launch_rmsnorm_quant(
@@ -248,6 +269,9 @@ def launch_rmsnorm_quant(
     Output: y ``[M, K]`` x.dtype contiguous; q float8_e4m3fn ``[M, K]`` contiguous; rstd fp32 ``[M]``.
     scales: fp32 ``[M, ceil(K/128)]``, strides ``(G, 1)`` (``"row"``) or ``(1, align(M, 4))`` (``"deepgemm"``).
     ``precast`` (tests only): fp32 ``[M, K]`` buffer receiving the clamped ``y / s`` before the cast.
+    ``config``: ``block_m`` rows per program, ``block_k`` (a power of two >= 128; >= K keeps the row
+    in registers, else two passes over block_k chunks), ``num_warps``, ``num_stages``; absent or
+    ``None`` = `default_config`.
     """
     check_matrix(x, name, OP)
     _check_weight(weight, x, name)
@@ -264,11 +288,16 @@ def launch_rmsnorm_quant(
         )
     if x.numel() == 0:
         return y, q, s, rstd
-    block_m, block_k, num_warps, single = _fwd_config(k)
-    block_m = config.get("block_m", block_m)
-    block_k = config.get("block_k", block_k)
-    num_warps = config.get("num_warps", num_warps)
-    single = single and block_k >= k
+    block_m, block_k, num_warps, num_stages = default_config(m, k)
+    if config:
+        unknown = set(config) - {"block_m", "block_k", "num_warps", "num_stages"}
+        assert not unknown, f"{OP}: unknown launch config keys {sorted(unknown)}"
+        block_m = config.get("block_m") or block_m
+        block_k = config.get("block_k") or block_k
+        num_warps = config.get("num_warps") or num_warps
+        num_stages = config.get("num_stages") or num_stages
+    assert block_k % BLOCK == 0 and block_k & (block_k - 1) == 0, f"{OP}: block_k={block_k} must be a power of 2 >= 128"
+    single = block_k >= k
     flag, slot = nonfinite_flag(OP, name, dev)
     _rmsnorm_quant_kernel[(triton.cdiv(m, block_m),)](
         x,
@@ -294,6 +323,7 @@ def launch_rmsnorm_quant(
         SINGLE=single,
         STORE_PRECAST=precast is not None,
         num_warps=num_warps,
+        num_stages=num_stages,
     )
     return y, q, s, rstd
 

@@ -5,8 +5,9 @@ K is now the token axis M: ``X^T [K, M]`` e4m3 with one fp32 scale per 128 conse
 column, ``s_t [K, ceil(M/128)]``. That is `jetrl.quant.quantize_128x1` (``quantize_1x128(x.t())``),
 and `transpose_quantize` is bit-equal to it.
 
-Kernel: a program loads a ``[128, BLOCK_K]`` tile of X (128 tokens — one group — by BLOCK_K
-columns) with coalesced row reads, reduces the amax over the token axis (one scale per column),
+Kernel: a program loads a ``[GROUPS_M * 128, BLOCK_K]`` tile of X (GROUPS_M groups of 128 tokens by
+BLOCK_K columns; launcher keywords, `default_config` picks them) with coalesced row reads, reduces the
+amax over the token axis of each group (one scale per group and column),
 divides with ``tl.math.div_rn``, clamps, casts, and stores the tile transposed at ``q_t[k, m]``
 (Triton stages the transposed store through shared memory, so the writes are 128-byte rows too).
 One read of X, one write of the bytes: no materialised ``X^T``.
@@ -34,6 +35,8 @@ identically).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -75,19 +78,20 @@ def _transpose_quantize_kernel(
     EPS: tl.constexpr,
     FP8_MAX: tl.constexpr,
     GROUP: tl.constexpr,
+    GROUPS_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FROM_FP8: tl.constexpr,
     STORE_PRECAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    offs_m = pid_m * GROUP + tl.arange(0, GROUP)
+    offs_m = pid_m * (GROUPS_M * GROUP) + tl.arange(0, GROUPS_M * GROUP)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_k = offs_k < K
     mask = (offs_m[:, None] < M) & mask_k[None, :]
     rows = offs_m.to(tl.int64)[:, None]
 
-    # load a [128 tokens, BLOCK_K] tile (row reads); padding tokens read 0
+    # load a [GROUPS_M * 128 tokens, BLOCK_K] tile (row reads); padding tokens read 0
     x = tl.load(x_ptr + rows * stride_xm + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
     if FROM_FP8:
         # dequantize the saved 1x128 activation: fp32 q * s; BLOCK_K divides 128, so the whole
@@ -95,26 +99,50 @@ def _transpose_quantize_kernel(
         g_col = (pid_k * BLOCK_K) // GROUP
         xs = tl.load(xs_ptr + offs_m * stride_xsm + g_col * stride_xsg, mask=offs_m < M, other=0.0)
         x = x * xs[:, None]
-    ax = tl.abs(x)
 
     # non-finite detection (exponent bits all ones)
     n_bad = count_nonfinite(x)
     tl.store(flag_ptr + flag_slot, 1, mask=n_bad > 0)
 
-    # one scale per column of the tile (a 128-token group of X^T's row k)
-    amax = tl.max(ax, axis=0)
-    s = e4m3_scale(amax, EPS, FP8_MAX)
+    # one scale per (128-token group, column): amax over the token axis of a [GROUPS_M, 128, BLOCK_K] view
+    x3 = tl.reshape(x, [GROUPS_M, GROUP, BLOCK_K])
+    s = e4m3_scale(tl.max(tl.abs(x3), axis=1), EPS, FP8_MAX)
 
     # quantize: true division, clamp, RNE cast; store transposed at q_t[k, m]
-    y = e4m3_grid(x, s[None, :], FP8_MAX)
+    y = tl.reshape(e4m3_grid(x3, s[:, None, :], FP8_MAX), [GROUPS_M * GROUP, BLOCK_K])
     cols = offs_k.to(tl.int64)[None, :]
     tl.store(qt_ptr + cols * M + offs_m[:, None], y.to(tl.float8e4nv), mask=mask)
-    tl.store(st_ptr + offs_k * GM + pid_m, s, mask=mask_k)
+    offs_gm = pid_m * GROUPS_M + tl.arange(0, GROUPS_M)
+    tl.store(st_ptr + cols * GM + offs_gm[:, None], s, mask=(offs_gm[:, None] < GM) & mask_k[None, :])
     if STORE_PRECAST:
         tl.store(pre_ptr + cols * M + offs_m[:, None], y, mask=mask)
 
 
-def _launch(x, xs, name, op, precast, block_k=64, num_warps=4):
+@functools.lru_cache(maxsize=256)
+def default_config(m: int, k: int) -> tuple[int, int, int, int]:
+    """``(groups_m, block_k, num_warps, num_stages)`` for an ``[m, k]`` input: a program owns
+    ``groups_m`` 128-token groups by ``block_k`` columns. Last session's ``[128, 64]`` tiles with 4
+    warps reached 51% of copy on the H200; the default doubles the tokens per program when M allows
+    (``[256, 64]``, 8 warps: 32 KiB of bf16 read, q_t rows written as 256-byte runs).
+    `bench_kernels.py --sweep` times `SWEEP_CONFIGS`."""
+    if m <= BLOCK:
+        return 1, 64, 4, 1
+    return 2, 64, 8, 1
+
+
+SWEEP_CONFIGS = [
+    dict(groups_m=1, block_k=64, num_warps=4),
+    dict(groups_m=1, block_k=128, num_warps=8),
+    dict(groups_m=2, block_k=32, num_warps=4),
+    dict(groups_m=2, block_k=64, num_warps=4),
+    dict(groups_m=2, block_k=64, num_warps=8),
+    dict(groups_m=2, block_k=128, num_warps=8),
+    dict(groups_m=4, block_k=32, num_warps=8),
+    dict(groups_m=4, block_k=64, num_warps=8),
+]
+
+
+def _launch(x, xs, name, op, precast, groups_m=None, block_k=None, num_warps=None, num_stages=None):
     m, k = x.shape
     gm = groups(m)
     dev = x.device
@@ -124,11 +152,16 @@ def _launch(x, xs, name, op, precast, block_k=64, num_warps=4):
         assert precast.shape == (k, m) and precast.dtype == torch.float32 and precast.is_contiguous(), (
             f"{op}: precast must be a contiguous float32 [{k}, {m}] buffer"
         )
-    assert BLOCK % block_k == 0, f"{op}: block_k={block_k} must divide {BLOCK}"
     if x.numel() == 0:
         return q_t, s_t
+    gmp, bk, nw, ns = default_config(m, k)
+    gmp = gmp if groups_m is None else groups_m
+    bk = bk if block_k is None else block_k
+    nw = nw if num_warps is None else num_warps
+    ns = ns if num_stages is None else num_stages
+    assert BLOCK % bk == 0, f"{op}: block_k={bk} must divide {BLOCK}"
     flag, slot = nonfinite_flag(op, name, dev)
-    _transpose_quantize_kernel[(gm, triton.cdiv(k, block_k))](
+    _transpose_quantize_kernel[(triton.cdiv(gm, gmp), triton.cdiv(k, bk))](
         x,
         xs if xs is not None else x,
         q_t,
@@ -145,10 +178,12 @@ def _launch(x, xs, name, op, precast, block_k=64, num_warps=4):
         EPS=DEFAULT_EPS,
         FP8_MAX=E4M3_MAX,
         GROUP=BLOCK,
-        BLOCK_K=block_k,
+        GROUPS_M=gmp,
+        BLOCK_K=bk,
         FROM_FP8=xs is not None,
         STORE_PRECAST=precast is not None,
-        num_warps=num_warps,
+        num_warps=nw,
+        num_stages=ns,
     )
     return q_t, s_t
 
@@ -162,6 +197,8 @@ def launch_transpose_quantize(
     Output: q_t float8_e4m3fn ``[K, M]`` contiguous.
     scales: s_t fp32 ``[K, ceil(M/128)]`` contiguous (strides ``(ceil(M/128), 1)``).
     ``precast`` (tests only): fp32 ``[K, M]`` contiguous buffer receiving the clamped quotients.
+    ``config``: ``groups_m``, ``block_k`` (divides 128), ``num_warps``, ``num_stages``; ``None`` or absent =
+    `default_config`.
     """
     check_matrix(x, name, OP)
     return _launch(x, None, name, OP, precast, **config)
