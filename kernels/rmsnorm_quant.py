@@ -22,7 +22,7 @@ dweight is reduced in two deterministic stages: each program accumulates its row
 and writes one partial row; the partials are summed in fp32 by torch.
 
 The forward holds rows of up to 16384 in registers by default (``BLOCK_K = next_pow2(K)``, several
-rows per program when K is small, ~16 fp32 lanes per thread, up to 32 warps): X is read once.
+rows per program when K is small, 16-32 fp32 lanes per thread, up to 16 warps): X is read once.
 Longer rows, or a smaller ``block_k`` passed to the launcher, go in two passes over BLOCK_K-wide
 chunks (sum of squares, then normalize + quantize re-reading the chunk from L2). An earlier
 16384-lane register row with fewer warps measured only 1.4 TB/s on the H200, which is why the
@@ -228,16 +228,17 @@ def _rmsnorm_backward_kernel(
 def default_config(m: int, k: int) -> tuple[int, int, int, int]:
     """``(block_m, block_k, num_warps, num_stages)`` of the forward for an ``[m, k]`` input.
 
-    Rows up to `MAX_SINGLE_K` stay in registers (``block_k = next_pow2(k)``, X read once), with about
-    16 fp32 lanes per thread (``num_warps = block_m * block_k / 512``, 4..32) and several rows per
-    program while a row is narrower than 4096. Longer rows take the two-pass path (``block_k`` wide
-    chunks; pass 2 re-reads X from L2). Last session's default (two passes of 4096 for K = 14336,
-    8 warps) reached 52% of copy on the H200; `bench_kernels.py --sweep` times `SWEEP_CONFIGS`.
+    Rows up to `MAX_SINGLE_K` stay in registers (``block_k = next_pow2(k)``, X read once), with
+    16-32 fp32 lanes per thread (``num_warps = block_m * block_k / 512`` in 4..16: 32 warps would cap
+    ptxas at 64 registers per thread) and several rows per program while a row is narrower than
+    4096. Longer rows take the two-pass path (``block_k`` wide chunks; pass 2 re-reads X from L2).
+    Last session's default (two passes of 4096 for K = 14336, 8 warps) reached 52% of copy on the
+    H200; `bench_kernels.py --sweep` times `SWEEP_CONFIGS`.
     """
     if k <= MAX_SINGLE_K:
         block_k = max(BLOCK, triton.next_power_of_2(k))
         block_m = max(1, 4096 // block_k)
-        return block_m, block_k, min(32, max(4, block_m * block_k // 512)), 1
+        return block_m, block_k, min(16, max(4, block_m * block_k // 512)), 1
     return 1, 4096, 8, 1
 
 
