@@ -12,6 +12,11 @@ divides with ``tl.math.div_rn``, clamps, casts, and stores the tile transposed a
 (Triton stages the transposed store through shared memory, so the writes are 128-byte rows too).
 One read of X, one write of the bytes: no materialised ``X^T``.
 
+`quantize_1x128_and_transpose` serves the backward's dY, which both dgrad (1x128 along N) and wgrad
+(1x128 along M, transposed) consume: one program loads a ``[GROUPS_M * 128, 128]`` tile of dY once
+and writes both quantizations — row scales over the tile's 128 columns, column scales over each
+128-token group — with exactly the two ops' per-group math (so both are bit-equal to them).
+
 `transpose_requantize` starts instead from the 1x128-quantized activation saved for backward
 (``q [M, K]``, ``s [M, ceil(K/128)]``): it dequantizes in fp32 (``q * s``, the product
 `jetrl.quant.dequantize_1x128` computes), then proceeds as above. Saving only the FP8 activation
@@ -45,7 +50,17 @@ import triton.language as tl
 from jetrl import quant
 from jetrl.recipe import BLOCK, DEFAULT_EPS, E4M3_MAX
 
-from ._runtime import check_matrix, count_nonfinite, e4m3_grid, e4m3_scale, groups, nonfinite_flag
+from ._runtime import (
+    SCALE_LAYOUTS,
+    check_matrix,
+    count_nonfinite,
+    e4m3_grid,
+    e4m3_scale,
+    groups,
+    nonfinite_flag,
+    scale_buffer,
+)
+from .quantize_1x128 import torch_quantize_1x128
 
 __all__ = [
     "transpose_quantize",
@@ -54,10 +69,14 @@ __all__ = [
     "transpose_requantize",
     "torch_transpose_requantize",
     "launch_transpose_requantize",
+    "quantize_1x128_and_transpose",
+    "torch_quantize_1x128_and_transpose",
+    "launch_quantize_1x128_and_transpose",
 ]
 
 OP = "jetrl::transpose_quantize"
 OP_RE = "jetrl::transpose_requantize"
+OP_DUAL = "jetrl::quantize_1x128_and_transpose"
 
 
 @triton.jit
@@ -116,6 +135,64 @@ def _transpose_quantize_kernel(
     tl.store(st_ptr + cols * GM + offs_gm[:, None], s, mask=(offs_gm[:, None] < GM) & mask_k[None, :])
     if STORE_PRECAST:
         tl.store(pre_ptr + cols * M + offs_m[:, None], y, mask=mask)
+
+
+@triton.jit
+def _quantize_1x128_and_transpose_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    qt_ptr,
+    st_ptr,
+    pre_ptr,
+    pret_ptr,
+    flag_ptr,
+    flag_slot,
+    M,
+    K,
+    stride_xm,
+    stride_sm,
+    stride_sg,
+    GM,
+    EPS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUPS_M: tl.constexpr,
+    STORE_PRECAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * (GROUPS_M * GROUP) + tl.arange(0, GROUPS_M * GROUP)
+    offs_k = pid_k * GROUP + tl.arange(0, GROUP)
+    mask_m = offs_m < M
+    mask_k = offs_k < K
+    mask = mask_m[:, None] & mask_k[None, :]
+    rows = offs_m.to(tl.int64)[:, None]
+    cols = offs_k.to(tl.int64)[None, :]
+
+    # load a [GROUPS_M * 128 tokens, 128] tile once (row reads); padding lanes read 0
+    x = tl.load(x_ptr + rows * stride_xm + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+
+    # non-finite detection (exponent bits all ones)
+    n_bad = count_nonfinite(x)
+    tl.store(flag_ptr + flag_slot, 1, mask=n_bad > 0)
+
+    # 1x128 along K: one scale per row of the tile (one K group); divide, clamp, RNE cast
+    s = e4m3_scale(tl.max(tl.abs(x), axis=1), EPS, FP8_MAX)
+    y = e4m3_grid(x, s[:, None], FP8_MAX)
+    tl.store(q_ptr + rows * K + offs_k[None, :], y.to(tl.float8e4nv), mask=mask)
+    tl.store(s_ptr + offs_m * stride_sm + pid_k * stride_sg, s, mask=mask_m)
+
+    # 128x1 along M: one scale per (128-token group, column); store transposed at q_t[k, m]
+    x3 = tl.reshape(x, [GROUPS_M, GROUP, GROUP])
+    s_t = e4m3_scale(tl.max(tl.abs(x3), axis=1), EPS, FP8_MAX)
+    y_t = tl.reshape(e4m3_grid(x3, s_t[:, None, :], FP8_MAX), [GROUPS_M * GROUP, GROUP])
+    tl.store(qt_ptr + cols * M + offs_m[:, None], y_t.to(tl.float8e4nv), mask=mask)
+    offs_gm = pid_m * GROUPS_M + tl.arange(0, GROUPS_M)
+    tl.store(st_ptr + cols * GM + offs_gm[:, None], s_t, mask=(offs_gm[:, None] < GM) & mask_k[None, :])
+    if STORE_PRECAST:
+        tl.store(pre_ptr + rows * K + offs_k[None, :], y, mask=mask)
+        tl.store(pret_ptr + cols * M + offs_m[:, None], y_t, mask=mask)
 
 
 @functools.lru_cache(maxsize=256)
@@ -217,6 +294,134 @@ def launch_transpose_requantize(
     _check_fp8_pair(q, s, name)
     assert q.shape[1] <= 1 or q.stride(1) == 1, f"{OP_RE}: {name} bytes need unit stride along K, got {q.stride()}"
     return _launch(q, s, name, OP_RE, precast, **config)
+
+
+# candidate (groups_m, num_warps) of the dual kernel timed by `bench_kernels.py --sweep`
+DUAL_SWEEP_CONFIGS = [
+    dict(groups_m=1, num_warps=4),
+    dict(groups_m=1, num_warps=8),
+    dict(groups_m=2, num_warps=8),
+    dict(groups_m=2, num_warps=16),
+]
+
+
+def launch_quantize_1x128_and_transpose(
+    x: torch.Tensor,
+    scale_layout: str = "deepgemm",
+    name: str = "dy",
+    precast: torch.Tensor | None = None,
+    precast_t: torch.Tensor | None = None,
+    groups_m: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run the dual Triton kernel: one read of x, both backward operand layouts.
+
+    Input:  x ``[M, N]`` float32/bfloat16/float16, last-dim stride 1, any row stride (dY).
+    Output: q float8_e4m3fn ``[M, N]`` contiguous (1x128 along N, dgrad's A operand) and
+            q_t float8_e4m3fn ``[N, M]`` contiguous (1x128 along M, wgrad's A operand).
+    scales: s fp32 ``[M, ceil(N/128)]`` in ``scale_layout`` (default ``"deepgemm"``: strides
+            ``(1, align(M, 4))``; or ``"row"``); s_t fp32 ``[N, ceil(M/128)]`` contiguous.
+    ``precast`` / ``precast_t`` (tests only): fp32 ``[M, N]`` / ``[N, M]`` contiguous buffers
+    receiving the clamped quotients before the casts (both or neither).
+    Launch: a program owns ``[groups_m * 128, 128]`` (``None``: 1 group, 8 warps; 4 when M <= 128).
+    """
+    check_matrix(x, name, OP_DUAL)
+    assert scale_layout in SCALE_LAYOUTS, f"{OP_DUAL}: scale_layout={scale_layout!r}, choose one of {SCALE_LAYOUTS}"
+    m, k = x.shape
+    g, gm = groups(k), groups(m)
+    dev = x.device
+    q = torch.empty((m, k), dtype=quant.FP8_DTYPE, device=dev)
+    s = scale_buffer(m, g, scale_layout, dev)
+    q_t = torch.empty((k, m), dtype=quant.FP8_DTYPE, device=dev)
+    s_t = torch.empty((k, gm), dtype=torch.float32, device=dev)
+    if precast is not None or precast_t is not None:
+        assert precast is not None and precast.shape == (m, k) and precast.dtype == torch.float32, (
+            f"{OP_DUAL}: precast must be a contiguous float32 [{m}, {k}] buffer"
+        )
+        assert precast_t is not None and precast_t.shape == (k, m) and precast_t.dtype == torch.float32, (
+            f"{OP_DUAL}: precast_t must be a contiguous float32 [{k}, {m}] buffer"
+        )
+        assert precast.is_contiguous() and precast_t.is_contiguous(), f"{OP_DUAL}: precast buffers must be contiguous"
+    if x.numel() == 0:
+        return q, s, q_t, s_t
+    gmp = groups_m if groups_m is not None else 1
+    nw = num_warps if num_warps is not None else (4 if m <= BLOCK else 8)
+    flag, slot = nonfinite_flag(OP_DUAL, name, dev)
+    _quantize_1x128_and_transpose_kernel[(triton.cdiv(gm, gmp), g)](
+        x,
+        q,
+        s,
+        q_t,
+        s_t,
+        precast if precast is not None else q,
+        precast_t if precast_t is not None else q_t,
+        flag,
+        slot,
+        m,
+        k,
+        x.stride(0),
+        s.stride(0),
+        s.stride(1),
+        gm,
+        EPS=DEFAULT_EPS,
+        FP8_MAX=E4M3_MAX,
+        GROUP=BLOCK,
+        GROUPS_M=gmp,
+        STORE_PRECAST=precast is not None,
+        num_warps=nw,
+        num_stages=num_stages if num_stages is not None else 1,
+    )
+    return q, s, q_t, s_t
+
+
+def torch_quantize_1x128_and_transpose(
+    x: torch.Tensor, *, scale_layout: str = "deepgemm", name: str = "dy"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference: `torch_quantize_1x128` then `torch_transpose_quantize` of the same x (each raises
+    NonFiniteError at once). Same signature and output layouts as `quantize_1x128_and_transpose`."""
+    q, s = torch_quantize_1x128(x, scale_layout=scale_layout, name=name)
+    q_t, s_t = torch_transpose_quantize(x, name=name)
+    return q, s, q_t, s_t
+
+
+@torch.library.custom_op(OP_DUAL, mutates_args=(), device_types="cpu")
+def _quantize_1x128_and_transpose_op(
+    x: torch.Tensor, scale_layout: str, name: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch_quantize_1x128_and_transpose(x, scale_layout=scale_layout, name=name)
+
+
+@_quantize_1x128_and_transpose_op.register_kernel("cuda")
+def _(x: torch.Tensor, scale_layout: str, name: str):
+    return launch_quantize_1x128_and_transpose(x, scale_layout, name)
+
+
+@_quantize_1x128_and_transpose_op.register_fake
+def _(x: torch.Tensor, scale_layout: str, name: str):
+    m, k = x.shape
+    return (
+        x.new_empty((m, k), dtype=quant.FP8_DTYPE),
+        scale_buffer(m, groups(k), scale_layout, x.device),
+        x.new_empty((k, m), dtype=quant.FP8_DTYPE),
+        x.new_empty((k, groups(m)), dtype=torch.float32),
+    )
+
+
+def quantize_1x128_and_transpose(
+    x: torch.Tensor, *, scale_layout: str = "deepgemm", name: str = "dy"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From ``dY [M, N]`` both backward operands in one read (the `jetrl::quantize_1x128_and_transpose`
+    op): ``(q, s) = quantize_1x128(dY)`` (dgrad) and ``(q_t, s_t) = transpose_quantize(dY)`` (wgrad),
+    each bit-equal to its own op. Scales of q default to DeepGEMM's layout (strides ``(1, align(M, 4))``).
+
+    Input: x ``[M, N]`` float32/bfloat16/float16 (unit stride along N on CUDA). Outputs as
+    `launch_quantize_1x128_and_transpose`.
+    """
+    if scale_layout not in SCALE_LAYOUTS:
+        raise ValueError(f"{OP_DUAL}: scale_layout={scale_layout!r}, choose one of {SCALE_LAYOUTS}")
+    check_matrix(x, name, OP_DUAL, inner_contiguous=x.is_cuda)
+    return _quantize_1x128_and_transpose_op(x, scale_layout, name)
 
 
 def _check_fp8_pair(q: torch.Tensor, s: torch.Tensor, name: str) -> None:

@@ -45,6 +45,7 @@ KERNELS = (
     "quantize_128x128",
     "transpose_quantize",
     "transpose_requantize",
+    "quantize_1x128_and_transpose",
     "rmsnorm_quant",
     "rmsnorm_backward",
     "swiglu_quant",
@@ -124,6 +125,13 @@ def _cases(m: int, k: int):
             lambda: K.torch_transpose_requantize(xq, xs),
         ),
         (
+            "quantize_1x128_and_transpose",
+            "transpose",
+            2 * mk + mk + 4 * m * g + mk + 4 * k * gm,
+            lambda: tq.launch_quantize_1x128_and_transpose(x, "deepgemm"),
+            lambda: K.torch_quantize_1x128_and_transpose(x),
+        ),
+        (
             "rmsnorm_quant",
             "quant",
             2 * mk + 2 * k + 2 * mk + mk + 4 * m * g + 4 * m,
@@ -172,6 +180,7 @@ SWEEPS = {
     "quantize_128x128": q128.SWEEP_CONFIGS,
     "quantize_128x128[+T]": [dict(c, transpose=t) for c in q128.SWEEP_CONFIGS for t in q128.TRANSPOSE_MODES],
     "transpose_quantize": tq.SWEEP_CONFIGS,
+    "quantize_1x128_and_transpose": tq.DUAL_SWEEP_CONFIGS,
     "rmsnorm_quant": rq.SWEEP_CONFIGS,
     "swiglu_quant": [dict(block_m=bm, num_warps=nw) for bm, nw in ((16, 4), (32, 4), (32, 8), (64, 8))],
 }
@@ -188,6 +197,10 @@ def _sweep(m: int, k: int, copy_gbps: float, only: set[str] | None) -> list[dict
         "quantize_128x128": (3 * mk + 4 * gm * g, lambda c: q128.launch_quantize_128x128(x, **c)),
         "quantize_128x128[+T]": (4 * mk + 8 * gm * g, lambda c: q128.launch_quantize_128x128(x, True, **c)),
         "transpose_quantize": (3 * mk + 4 * k * gm, lambda c: tq.launch_transpose_quantize(x, **c)),
+        "quantize_1x128_and_transpose": (
+            4 * mk + 4 * m * g + 4 * k * gm,
+            lambda c: tq.launch_quantize_1x128_and_transpose(x, "deepgemm", **c),
+        ),
         "rmsnorm_quant": (
             5 * mk + 2 * k + 4 * m * g + 4 * m,
             lambda c: rq.launch_rmsnorm_quant(x, w, 1e-6, **c),
@@ -213,7 +226,7 @@ def _sweep(m: int, k: int, copy_gbps: float, only: set[str] | None) -> list[dict
                     "pct_copy": 100.0 * gbps / copy_gbps,
                 }
             )
-            print(f"sweep {name:26s} {m:6d} {k:6d} {cfg:52s} {gbps:8.0f} {100.0 * gbps / copy_gbps:6.1f}", flush=True)
+            print(f"sweep {name:30s} {m:6d} {k:6d} {cfg:52s} {gbps:8.0f} {100.0 * gbps / copy_gbps:6.1f}", flush=True)
     return rows
 
 
@@ -312,21 +325,21 @@ def main() -> None:
 
 
 def _print_rows(rows: list[dict]) -> None:
-    hdr = f"{'kernel':26s} {'M':>6s} {'K':>6s} {'GB/s':>8s} {'%copy':>6s} {'copy':>7s} {'eager':>7s} {'goal':>22s} ok"
+    hdr = f"{'kernel':30s} {'M':>6s} {'K':>6s} {'GB/s':>8s} {'%copy':>6s} {'copy':>7s} {'eager':>7s} {'goal':>22s} ok"
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         eager = f"{r['eager_gbps']:7.0f}" if r.get("eager_gbps") else "      -"
         ok = {True: "yes", False: "NO", None: ""}[r.get("meets_goal")]
         print(
-            f"{r['kernel']:26s} {r['M']:6d} {r['K']:6d} {r['gbps']:8.0f} {r.get('pct_copy', 100.0):6.1f} "
+            f"{r['kernel']:30s} {r['M']:6d} {r['K']:6d} {r['gbps']:8.0f} {r.get('pct_copy', 100.0):6.1f} "
             f"{r['copy_gbps']:7.0f} {eager} {r.get('goal', '-'):>22s} {ok}"
         )
 
 
 def _print_sweep(sweep: list[dict]) -> None:
     """The sweep table, and per (kernel, shape) the best config."""
-    hdr = f"{'kernel':26s} {'M':>6s} {'K':>6s} {'config':52s} {'GB/s':>8s} {'%copy':>6s}"
+    hdr = f"{'kernel':30s} {'M':>6s} {'K':>6s} {'config':52s} {'GB/s':>8s} {'%copy':>6s}"
     print(hdr)
     print("-" * len(hdr))
     best: dict[tuple, dict] = {}
@@ -334,10 +347,10 @@ def _print_sweep(sweep: list[dict]) -> None:
         key = (r["kernel"], r["M"], r["K"])
         if key not in best or r["gbps"] > best[key]["gbps"]:
             best[key] = r
-        print(f"{r['kernel']:26s} {r['M']:6d} {r['K']:6d} {r['config']:52s} {r['gbps']:8.0f} {r['pct_copy']:6.1f}")
+        print(f"{r['kernel']:30s} {r['M']:6d} {r['K']:6d} {r['config']:52s} {r['gbps']:8.0f} {r['pct_copy']:6.1f}")
     print("\nbest per kernel and shape:")
     for (name, m, k), r in best.items():
-        print(f"{name:26s} {m:6d} {k:6d} {r['config']:52s} {r['gbps']:8.0f} {r['pct_copy']:6.1f}")
+        print(f"{name:30s} {m:6d} {k:6d} {r['config']:52s} {r['gbps']:8.0f} {r['pct_copy']:6.1f}")
 
 
 if __name__ == "__main__":
