@@ -180,7 +180,8 @@ def e4m3_grid(x, s, FP8_MAX: tl.constexpr):
 
 @triton.jit
 def count_nonfinite(x):
-    """Number of NaN/Inf elements of an fp32 tile, tested on the exponent bits (all ones) so no
-    floating-point comparison can be folded away by the compiler."""
+    """Number of NaN/Inf elements of an fp32 tile of any rank, tested on the exponent bits (all ones)
+    so no floating-point comparison can be folded away by the compiler. ``axis=None`` reduces every
+    axis and lets Triton flatten in any order (an integer count: order-free), so no layout shuffle."""
     bits = x.to(tl.int32, bitcast=True) & 0x7F800000
-    return tl.sum(tl.ravel(tl.where(bits == 0x7F800000, 1, 0)), axis=0)
+    return tl.sum(tl.where(bits == 0x7F800000, 1, 0), axis=None)

@@ -11,7 +11,8 @@ DeepGEMM's sm_90 kernels read, same shape ``[M, G]`` but strides ``(1, align(M, 
 program writes its BLOCK_M scales of one group as one coalesced run.
 
 Tiling: a program owns a ``[BLOCK_M, GROUPS_K * 128]`` tile (GROUPS_K groups of BLOCK_M rows),
-viewed as ``[BLOCK_M, GROUPS_K, 128]`` so each amax is an in-register reduction; every load and store
+addressed as a ``[BLOCK_M, GROUPS_K, 128]`` block so each amax is an in-register reduction over the
+last axis (no reshape, no layout shuffle); every load and store
 is a run of whole 128-wide coalesced segments. Optionally persistent (a grid-stride loop over the
 tiles). The tile and launch parameters are launcher keywords; `default_config` picks them from the
 shape, and ``scripts/bench_kernels.py --sweep`` times the candidates in `SWEEP_CONFIGS`.
@@ -67,28 +68,28 @@ def _quantize_tile(
     GROUPS_K: tl.constexpr,
     STORE_PRECAST: tl.constexpr,
 ):
-    # one [BLOCK_M, GROUPS_K * 128] tile: GROUPS_K groups of BLOCK_M rows; returns its non-finite count
+    # one [BLOCK_M, GROUPS_K * 128] tile: GROUPS_K groups of BLOCK_M rows, addressed as a
+    # [BLOCK_M, GROUPS_K, 128] block (no reshape); returns its non-finite count
     offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_k = tile_k * (GROUPS_K * GROUP) + tl.arange(0, GROUPS_K * GROUP)
+    offs_g = tile_k * GROUPS_K + tl.arange(0, GROUPS_K)
+    offs_k = offs_g[None, :, None] * GROUP + tl.arange(0, GROUP)[None, None, :]
     mask_m = offs_m < M
-    mask = mask_m[:, None] & (offs_k[None, :] < K)
-    rows = offs_m.to(tl.int64)[:, None]
+    mask = mask_m[:, None, None] & (offs_k < K)
+    rows = offs_m.to(tl.int64)[:, None, None]
 
     # load; padding lanes read as 0 and cannot raise the amax
-    x = tl.load(x_ptr + rows * stride_xm + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows * stride_xm + offs_k, mask=mask, other=0.0).to(tl.float32)
 
-    # scale per group: max(amax, eps) / 448, correctly rounded, over a [BLOCK_M, GROUPS_K, 128] view
-    x3 = tl.reshape(x, [BLOCK_M, GROUPS_K, GROUP])
-    s = e4m3_scale(tl.max(tl.abs(x3), axis=2), EPS, FP8_MAX)
+    # scale per group: max(amax, eps) / 448, correctly rounded
+    s = e4m3_scale(tl.max(tl.abs(x), axis=2), EPS, FP8_MAX)
 
     # quantize: true division, clamp, then the RNE cast
-    y = tl.reshape(e4m3_grid(x3, s[:, :, None], FP8_MAX), [BLOCK_M, GROUPS_K * GROUP])
-    tl.store(q_ptr + rows * stride_qm + offs_k[None, :], y.to(tl.float8e4nv), mask=mask)
-    offs_g = tile_k * GROUPS_K + tl.arange(0, GROUPS_K)
+    y = e4m3_grid(x, s[:, :, None], FP8_MAX)
+    tl.store(q_ptr + rows * stride_qm + offs_k, y.to(tl.float8e4nv), mask=mask)
     s_mask = mask_m[:, None] & (offs_g[None, :] * GROUP < K)
     tl.store(s_ptr + offs_m[:, None] * stride_sm + offs_g[None, :] * stride_sg, s, mask=s_mask)
     if STORE_PRECAST:
-        tl.store(pre_ptr + rows * K + offs_k[None, :], y, mask=mask)
+        tl.store(pre_ptr + rows * K + offs_k, y, mask=mask)
     # non-finite detection: exponent bits all ones
     return count_nonfinite(x)
 
@@ -148,7 +149,7 @@ def default_config(m: int, k: int) -> tuple[int, int, int, int, bool]:
     groups_k = min(4, triton.next_power_of_2(g))
     block_m = 16 if m <= 16 else 32
     num_warps = 8 if block_m * groups_k >= 64 else 4
-    return block_m, groups_k, num_warps, 1, False
+    return block_m, groups_k, num_warps, 3, False
 
 
 # candidate configs timed by `bench_kernels.py --sweep` (keyword arguments of the launcher)
