@@ -7,8 +7,7 @@ a device flag that `check_nonfinite()` (call once per step) turns into the same 
 and the tensor.
 
 Ops (one file each): `quantize_1x128`, `quantize_128x128`, `transpose_quantize` /
-`transpose_requantize` / `quantize_1x128_and_transpose`, `rmsnorm_quant` / `rmsnorm_backward`,
-`swiglu_quant` / `swiglu_backward`.
+`transpose_requantize`, `rmsnorm_quant` / `rmsnorm_backward`, `swiglu_quant` / `swiglu_backward`.
 """
 
 if __name__ != "jetrl.kernels":
@@ -24,8 +23,6 @@ else:
     from .rmsnorm_quant import rmsnorm_backward, rmsnorm_quant, torch_rmsnorm_backward, torch_rmsnorm_quant
     from .swiglu_quant import swiglu_backward, swiglu_quant, torch_swiglu_backward, torch_swiglu_quant
     from .transpose_quantize import (
-        quantize_1x128_and_transpose,
-        torch_quantize_1x128_and_transpose,
         torch_transpose_quantize,
         torch_transpose_requantize,
         transpose_quantize,
@@ -43,8 +40,6 @@ else:
         "torch_transpose_quantize",
         "transpose_requantize",
         "torch_transpose_requantize",
-        "quantize_1x128_and_transpose",
-        "torch_quantize_1x128_and_transpose",
         "rmsnorm_quant",
         "torch_rmsnorm_quant",
         "rmsnorm_backward",

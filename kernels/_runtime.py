@@ -14,7 +14,6 @@ not be used, which is why `check_nonfinite` raises rather than returns.
 
 from __future__ import annotations
 
-import functools
 import threading
 
 import torch
@@ -35,7 +34,6 @@ __all__ = [
     "count_nonfinite",
     "e4m3_scale",
     "e4m3_grid",
-    "num_sms",
 ]
 
 SCALE_LAYOUTS = ("row", "deepgemm")
@@ -45,8 +43,6 @@ _lock = threading.Lock()
 _slots: dict[tuple[str, str], int] = {}  # (op, name) -> slot index, shared by all devices
 _names: list[tuple[str, str]] = []  # slot index -> (op, name)
 _flags: dict[torch.device, torch.Tensor] = {}  # device -> int32 [capacity]
-# launcher fast path: (op, name, device) -> (buffer, slot); cleared whenever a buffer is replaced
-_hits: dict[tuple[str, str, torch.device], tuple[torch.Tensor, int]] = {}
 
 
 def _slot(op: str, name: str) -> int:
@@ -63,12 +59,8 @@ def nonfinite_flag(op: str, name: str, device: torch.device) -> tuple[torch.Tens
     """The device flag buffer and the slot a kernel launched by `op` on tensor `name` sets to 1.
 
     The buffer grows (copied on the current stream, so pending writes are kept in order) when new
-    names appear; steady-state steps reuse their slots and allocate nothing, and skip the lock (one
-    dict lookup: launchers call this on every launch).
+    names appear; steady-state steps reuse their slots and allocate nothing.
     """
-    hit = _hits.get((op, name, device))
-    if hit is not None:
-        return hit
     device = torch.device(device)
     with _lock:
         slot = _slot(op, name)
@@ -79,8 +71,6 @@ def nonfinite_flag(op: str, name: str, device: torch.device) -> tuple[torch.Tens
             if buf is not None:
                 new[: buf.numel()].copy_(buf)
             _flags[device] = buf = new
-            _hits.clear()  # cached entries point at the old buffer
-        _hits[(op, name, device)] = (buf, slot)
     return buf, slot
 
 
@@ -145,17 +135,6 @@ def check_matrix(x: torch.Tensor, name: str, op: str, *, inner_contiguous: bool 
         )
 
 
-@functools.lru_cache(maxsize=16)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (cached); 4 elsewhere (the CPU interpreter), so a
-    persistent grid still runs several programs there."""
-    return _sm_count(device) if device.type == "cuda" else 4
-
-
 def groups(k: int) -> int:
     """Number of 128-wide groups covering k."""
     return ceil_div(k, BLOCK)
@@ -180,8 +159,7 @@ def e4m3_grid(x, s, FP8_MAX: tl.constexpr):
 
 @triton.jit
 def count_nonfinite(x):
-    """Number of NaN/Inf elements of an fp32 tile of any rank, tested on the exponent bits (all ones)
-    so no floating-point comparison can be folded away by the compiler. ``axis=None`` reduces every
-    axis and lets Triton flatten in any order (an integer count: order-free), so no layout shuffle."""
+    """Number of NaN/Inf elements of an fp32 tile, tested on the exponent bits (all ones) so no
+    floating-point comparison can be folded away by the compiler."""
     bits = x.to(tl.int32, bitcast=True) & 0x7F800000
-    return tl.sum(tl.where(bits == 0x7F800000, 1, 0), axis=None)
+    return tl.sum(tl.ravel(tl.where(bits == 0x7F800000, 1, 0)), axis=0)

@@ -8,28 +8,19 @@ Block quantization is transpose invariant (NUMERICS.md section 1): the bytes of 
 transpose of the bytes of ``W`` and its scale grid is the transpose of W's. DGrad needs ``W^T``
 K-major (DeepGEMM on sm_90 only has the NT layout), so ``with_transpose=True`` also returns
 ``q_t [K, N]`` and ``s_t``, with no second quantization: the quantize kernel writes ``s_t`` beside
-``s``, and q_t in one of two ways (launcher keyword ``transpose``):
+``s``, and a byte-transpose kernel writes ``q_t`` from ``q``.
 
-- ``"fused"`` (default, `DEFAULT_TRANSPOSE`): the same pass stores each chunk twice — the e4m3 cast
-  of the clamped quotients at ``q[n, k]``, and the cast of their fp32 transpose (``tl.trans(y)``,
-  cast on its own) at ``q_t[k, n]``. Same quotients, same RNE cast, so the same bytes; W is read once.
-- ``"separate"``: a byte-transpose kernel reads q back and writes q_t (one extra read and write of
-  N*K bytes).
+Rejected: storing each quantized tile twice (at ``[n, k]`` and at ``[k, n]``) from the same
+program. On the H200 with Triton 3.6 that miscompiles for fp32 input — 25-37% of the q_t bytes come
+out wrong (bf16/fp16 input was correct), with or without a barrier between the stores — while a
+single transposed store per kernel is correct for every dtype. The byte transpose costs one extra
+read and write of N*K bytes; weights are quantized once per optimizer step.
 
-History: last session's fused form, which stored one fp8 tile both directly and at transposed
-addresses (the same fp8 value for both stores), miscompiled on the H200 with Triton 3.6 for fp32
-input (25-37% of the q_t bytes wrong; bf16/fp16 correct); the CPU interpreter cannot reproduce a
-GPU miscompile. The current fused form transposes the fp32 quotients and casts them separately,
-so the two stores share no fp8 value; the GPU tests check both modes for every input dtype.
-
-Tiling: one program per 128x128 block, walked in CHUNK_N-row chunks: two passes (amax, then divide
-and store; the second read hits L2), or with CHUNK_N = 128 one pass with the block in registers.
-The launch parameters are launcher keywords; `default_config` picks them.
+Tiling: one program per 128x128 block, in two passes over CHUNK_N-row chunks (amax, then divide
+and store; the second read hits L2), which keeps registers low enough for several programs per SM.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -46,41 +37,10 @@ OP = "jetrl::quantize_128x128"
 
 
 @triton.jit
-def _store_chunk(
-    w,
-    s,
-    offs_n,
-    offs_k,
-    N,
-    K,
-    q_ptr,
-    qt_ptr,
-    pre_ptr,
-    FP8_MAX: tl.constexpr,
-    FUSED_T: tl.constexpr,
-    STORE_PRECAST: tl.constexpr,
-):
-    # quantize an fp32 [rows, 128] chunk with its block scale: true division, clamp, RNE cast
-    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
-    rows = offs_n.to(tl.int64)[:, None]
-    y = e4m3_grid(w, tl.full(w.shape, 1.0, tl.float32) * s, FP8_MAX)
-    tl.store(q_ptr + rows * K + offs_k[None, :], y.to(tl.float8e4nv), mask=mask)
-    if FUSED_T:
-        # the same values transposed, cast on their own (an fp32 transpose, then a second RNE cast of
-        # the identical quotients), stored at q_t[k, n]: rows of q_t are contiguous along n
-        mask_t = (offs_k[:, None] < K) & (offs_n[None, :] < N)
-        y_t = tl.trans(y).to(tl.float8e4nv)
-        tl.store(qt_ptr + offs_k.to(tl.int64)[:, None] * N + offs_n[None, :], y_t, mask=mask_t)
-    if STORE_PRECAST:
-        tl.store(pre_ptr + rows * K + offs_k[None, :], y, mask=mask)
-
-
-@triton.jit
 def _quantize_128x128_kernel(
     w_ptr,
     q_ptr,
     s_ptr,
-    qt_ptr,
     st_ptr,
     pre_ptr,
     flag_ptr,
@@ -95,7 +55,6 @@ def _quantize_128x128_kernel(
     BLOCK: tl.constexpr,
     CHUNK_N: tl.constexpr,
     WITH_T: tl.constexpr,
-    FUSED_T: tl.constexpr,
     STORE_PRECAST: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -103,40 +62,34 @@ def _quantize_128x128_kernel(
     offs_k = pid_k * BLOCK + tl.arange(0, BLOCK)
     mask_k = offs_k < K
 
-    if CHUNK_N == BLOCK:
-        # one pass: the whole block stays in registers (padding lanes read 0)
-        offs_n = pid_n * BLOCK + tl.arange(0, BLOCK)
+    # pass 1: amax of the block, CHUNK_N rows at a time (padding lanes read 0); count non-finite
+    amax = tl.zeros([CHUNK_N], dtype=tl.float32)
+    n_bad = tl.full([], 0, tl.int32)
+    for c in range(0, BLOCK, CHUNK_N):
+        offs_n = pid_n * BLOCK + c + tl.arange(0, CHUNK_N)
         mask = (offs_n[:, None] < N) & mask_k[None, :]
         w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0)
         w = w.to(tl.float32)
-        n_bad = count_nonfinite(w)
-        s = e4m3_scale(tl.max(tl.max(tl.abs(w), axis=1), axis=0), EPS, FP8_MAX)
-        _store_chunk(w, s, offs_n, offs_k, N, K, q_ptr, qt_ptr, pre_ptr, FP8_MAX, FUSED_T, STORE_PRECAST)
-    else:
-        # pass 1: amax of the block, CHUNK_N rows at a time (padding lanes read 0); count non-finite
-        amax = tl.zeros([CHUNK_N], dtype=tl.float32)
-        n_bad = tl.full([], 0, tl.int32)
-        for c in range(0, BLOCK, CHUNK_N):
-            offs_n = pid_n * BLOCK + c + tl.arange(0, CHUNK_N)
-            mask = (offs_n[:, None] < N) & mask_k[None, :]
-            w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0)
-            w = w.to(tl.float32)
-            amax = tl.maximum(amax, tl.max(tl.abs(w), axis=1))
-            n_bad += count_nonfinite(w)
-        # one scale per block, correctly rounded
-        s = e4m3_scale(tl.max(amax, axis=0), EPS, FP8_MAX)
-        # pass 2: re-read the chunks (L2-resident) and quantize
-        for c in range(0, BLOCK, CHUNK_N):
-            offs_n = pid_n * BLOCK + c + tl.arange(0, CHUNK_N)
-            mask = (offs_n[:, None] < N) & mask_k[None, :]
-            w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0)
-            _store_chunk(
-                w.to(tl.float32), s, offs_n, offs_k, N, K, q_ptr, qt_ptr, pre_ptr, FP8_MAX, FUSED_T, STORE_PRECAST
-            )
+        amax = tl.maximum(amax, tl.max(tl.abs(w), axis=1))
+        n_bad += count_nonfinite(w)
     tl.store(flag_ptr + flag_slot, 1, mask=n_bad > 0)
+
+    # one scale per block, correctly rounded
+    s = e4m3_scale(tl.max(amax, axis=0), EPS, FP8_MAX)
     tl.store(s_ptr + pid_n * KB + pid_k, s)
     if WITH_T:
         tl.store(st_ptr + pid_k * NB + pid_n, s)
+
+    # pass 2: re-read the chunks (L2-resident) and quantize: true division, clamp, RNE cast
+    for c in range(0, BLOCK, CHUNK_N):
+        offs_n = pid_n * BLOCK + c + tl.arange(0, CHUNK_N)
+        mask = (offs_n[:, None] < N) & mask_k[None, :]
+        rows = offs_n.to(tl.int64)[:, None]
+        w = tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = e4m3_grid(w, tl.full([CHUNK_N, BLOCK], 1.0, tl.float32) * s, FP8_MAX)
+        tl.store(q_ptr + rows * K + offs_k[None, :], y.to(tl.float8e4nv), mask=mask)
+        if STORE_PRECAST:
+            tl.store(pre_ptr + rows * K + offs_k[None, :], y, mask=mask)
 
 
 @triton.jit
@@ -149,41 +102,13 @@ def _transpose_bytes_kernel(q_ptr, qt_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K:
     tl.store(qt_ptr + offs_k.to(tl.int64)[None, :] * N + offs_n[:, None], b, mask=mask)
 
 
-TRANSPOSE_MODES = ("fused", "separate")
-
-# the q_t path when with_transpose=True and no ``transpose=`` is given (see the module docstring)
-DEFAULT_TRANSPOSE = "fused"
-
-
-@functools.lru_cache(maxsize=256)
-def default_config(n: int, k: int) -> tuple[int, int, int]:
-    """``(chunk_n, num_warps, num_stages)`` for a ``[n, k]`` weight: a program owns one 128x128 block
-    and walks it in ``chunk_n``-row chunks (two passes; ``chunk_n=128``: one pass, the block held in
-    registers). Last session's ``(32, 4)`` reached 64% of copy on the H200; the default moves to
-    64-row chunks with 8 warps (twice the bytes in flight per program). `bench_kernels.py --sweep`
-    times `SWEEP_CONFIGS`; the shape does not change the choice yet (blocks are always 128x128)."""
-    return 64, 8, 3
-
-
-SWEEP_CONFIGS = [
-    dict(chunk_n=32, num_warps=4),
-    dict(chunk_n=32, num_warps=8),
-    dict(chunk_n=64, num_warps=4),
-    dict(chunk_n=64, num_warps=8),
-    dict(chunk_n=128, num_warps=8),
-    dict(chunk_n=128, num_warps=16),
-]
-
-
 def launch_quantize_128x128(
     w: torch.Tensor,
     with_transpose: bool = False,
     name: str = "w",
     precast: torch.Tensor | None = None,
-    num_warps: int | None = None,
-    chunk_n: int | None = None,
-    num_stages: int | None = None,
-    transpose: str | None = None,
+    num_warps: int = 4,
+    chunk_n: int = 32,
 ) -> tuple[torch.Tensor, ...]:
     """Run the Triton kernel.
 
@@ -191,9 +116,6 @@ def launch_quantize_128x128(
     Output: q float8_e4m3fn ``[N, K]`` contiguous; with_transpose: also q_t ``[K, N]`` contiguous (= q.t()).
     scales: fp32 ``[ceil(N/128), ceil(K/128)]`` contiguous; with_transpose: also s_t ``[ceil(K/128), ceil(N/128)]``.
     ``precast`` (tests only): fp32 ``[N, K]`` contiguous buffer receiving the clamped ``w / s`` before the cast.
-    Launch (``None`` = `default_config`): ``chunk_n`` in {16, 32, 64, 128} rows per step, ``num_warps``,
-    ``num_stages``; ``transpose`` (with_transpose only): ``"fused"`` (q_t stored by the quantize
-    kernel) or ``"separate"`` (a byte-transpose kernel reads q back), default `DEFAULT_TRANSPOSE`.
     """
     check_matrix(w, name, OP)
     n, k = w.shape
@@ -207,45 +129,34 @@ def launch_quantize_128x128(
         assert precast.shape == (n, k) and precast.dtype == torch.float32 and precast.is_contiguous(), (
             f"{OP}: precast must be a contiguous float32 [{n}, {k}] buffer"
         )
-    mode = DEFAULT_TRANSPOSE if transpose is None else transpose
-    assert mode in TRANSPOSE_MODES, f"{OP}: transpose={transpose!r}, choose one of {TRANSPOSE_MODES}"
-    if w.numel() == 0:
-        return (q, s, q_t, s_t) if with_transpose else (q, s)
-    cn, nw, ns = default_config(n, k)
-    cn = cn if chunk_n is None else chunk_n
-    nw = nw if num_warps is None else num_warps
-    ns = ns if num_stages is None else num_stages
-    assert BLOCK % cn == 0, f"{OP}: chunk_n={cn} must divide {BLOCK}"
-    fused = with_transpose and mode == "fused"
-    flag, slot = nonfinite_flag(OP, name, dev)
-    _quantize_128x128_kernel[(nb, kb)](
-        w,
-        q,
-        s,
-        q_t,
-        s_t,
-        precast if precast is not None else q,
-        flag,
-        slot,
-        n,
-        k,
-        w.stride(0),
-        nb,
-        kb,
-        EPS=DEFAULT_EPS,
-        FP8_MAX=E4M3_MAX,
-        BLOCK=BLOCK,
-        CHUNK_N=cn,
-        WITH_T=with_transpose,
-        FUSED_T=fused,
-        STORE_PRECAST=precast is not None,
-        num_warps=nw,
-        num_stages=ns,
-    )
-    if with_transpose and not fused:
-        _transpose_bytes_kernel[(triton.cdiv(n, 64), triton.cdiv(k, 64))](
-            q.view(torch.uint8), q_t.view(torch.uint8), n, k, BLOCK_N=64, BLOCK_K=64, num_warps=4
+    if w.numel() != 0:
+        flag, slot = nonfinite_flag(OP, name, dev)
+        _quantize_128x128_kernel[(nb, kb)](
+            w,
+            q,
+            s,
+            s_t,
+            precast if precast is not None else q,
+            flag,
+            slot,
+            n,
+            k,
+            w.stride(0),
+            nb,
+            kb,
+            EPS=DEFAULT_EPS,
+            FP8_MAX=E4M3_MAX,
+            BLOCK=BLOCK,
+            CHUNK_N=chunk_n,
+            WITH_T=with_transpose,
+            STORE_PRECAST=precast is not None,
+            num_warps=num_warps,
         )
+        if with_transpose:
+            # bytes transposed by a second kernel: see the module docstring for why not fused
+            _transpose_bytes_kernel[(triton.cdiv(n, 64), triton.cdiv(k, 64))](
+                q.view(torch.uint8), q_t.view(torch.uint8), n, k, BLOCK_N=64, BLOCK_K=64, num_warps=4
+            )
     return (q, s, q_t, s_t) if with_transpose else (q, s)
 
 

@@ -10,17 +10,11 @@ Scale layouts: ``"row"`` is a contiguous ``[M, G]`` tensor; ``"deepgemm"`` is th
 DeepGEMM's sm_90 kernels read, same shape ``[M, G]`` but strides ``(1, align(M, 4))`` — each
 program writes its BLOCK_M scales of one group as one coalesced run.
 
-Tiling: a program owns a ``[BLOCK_M, GROUPS_K * 128]`` tile (GROUPS_K groups of BLOCK_M rows),
-addressed as a ``[BLOCK_M, GROUPS_K, 128]`` block so each amax is an in-register reduction over the
-last axis (no reshape, no layout shuffle); every load and store
-is a run of whole 128-wide coalesced segments. Optionally persistent (a grid-stride loop over the
-tiles). The tile and launch parameters are launcher keywords; `default_config` picks them from the
-shape, and ``scripts/bench_kernels.py --sweep`` times the candidates in `SWEEP_CONFIGS`.
+Tiling: one program owns a ``[BLOCK_M, 128]`` tile (one group of BLOCK_M rows), so the amax is a
+single in-register row reduction and every load and store is a full 128-wide coalesced segment.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -37,7 +31,6 @@ from ._runtime import (
     e4m3_scale,
     groups,
     nonfinite_flag,
-    num_sms,
     scale_buffer,
     to_scale_layout,
 )
@@ -45,53 +38,6 @@ from ._runtime import (
 __all__ = ["quantize_1x128", "torch_quantize_1x128", "launch_quantize_1x128"]
 
 OP = "jetrl::quantize_1x128"
-
-
-@triton.jit
-def _quantize_tile(
-    x_ptr,
-    q_ptr,
-    s_ptr,
-    pre_ptr,
-    tile_m,
-    tile_k,
-    M,
-    K,
-    stride_xm,
-    stride_qm,
-    stride_sm,
-    stride_sg,
-    EPS: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUPS_K: tl.constexpr,
-    STORE_PRECAST: tl.constexpr,
-):
-    # one [BLOCK_M, GROUPS_K * 128] tile: GROUPS_K groups of BLOCK_M rows, addressed as a
-    # [BLOCK_M, GROUPS_K, 128] block (no reshape); returns its non-finite count
-    offs_m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_g = tile_k * GROUPS_K + tl.arange(0, GROUPS_K)
-    offs_k = offs_g[None, :, None] * GROUP + tl.arange(0, GROUP)[None, None, :]
-    mask_m = offs_m < M
-    mask = mask_m[:, None, None] & (offs_k < K)
-    rows = offs_m.to(tl.int64)[:, None, None]
-
-    # load; padding lanes read as 0 and cannot raise the amax
-    x = tl.load(x_ptr + rows * stride_xm + offs_k, mask=mask, other=0.0).to(tl.float32)
-
-    # scale per group: max(amax, eps) / 448, correctly rounded
-    s = e4m3_scale(tl.max(tl.abs(x), axis=2), EPS, FP8_MAX)
-
-    # quantize: true division, clamp, then the RNE cast
-    y = e4m3_grid(x, s[:, :, None], FP8_MAX)
-    tl.store(q_ptr + rows * stride_qm + offs_k, y.to(tl.float8e4nv), mask=mask)
-    s_mask = mask_m[:, None] & (offs_g[None, :] * GROUP < K)
-    tl.store(s_ptr + offs_m[:, None] * stride_sm + offs_g[None, :] * stride_sg, s, mask=s_mask)
-    if STORE_PRECAST:
-        tl.store(pre_ptr + rows * K + offs_k, y, mask=mask)
-    # non-finite detection: exponent bits all ones
-    return count_nonfinite(x)
 
 
 @triton.jit
@@ -108,64 +54,38 @@ def _quantize_1x128_kernel(
     stride_qm,
     stride_sm,
     stride_sg,
-    TILES_M,
-    TILES_K,
     EPS: tl.constexpr,
     FP8_MAX: tl.constexpr,
     BLOCK_M: tl.constexpr,
     GROUP: tl.constexpr,
-    GROUPS_K: tl.constexpr,
-    PERSISTENT: tl.constexpr,
     STORE_PRECAST: tl.constexpr,
 ):
-    if PERSISTENT:
-        # grid-stride loop over the tiles, K-tiles of a row block adjacent
-        n_bad = tl.full([], 0, tl.int32)
-        for t in range(tl.program_id(0), TILES_M * TILES_K, tl.num_programs(0)):
-            n_bad += _quantize_tile(
-                x_ptr, q_ptr, s_ptr, pre_ptr, t // TILES_K, t % TILES_K, M, K, stride_xm, stride_qm, stride_sm,
-                stride_sg, EPS, FP8_MAX, BLOCK_M, GROUP, GROUPS_K, STORE_PRECAST,
-            )  # fmt: skip
-    else:
-        n_bad = _quantize_tile(
-            x_ptr, q_ptr, s_ptr, pre_ptr, tl.program_id(0), tl.program_id(1), M, K, stride_xm, stride_qm, stride_sm,
-            stride_sg, EPS, FP8_MAX, BLOCK_M, GROUP, GROUPS_K, STORE_PRECAST,
-        )  # fmt: skip
-    # one predicated flag store per program
+    pid_m = tl.program_id(0)
+    pid_g = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = pid_g * GROUP + tl.arange(0, GROUP)
+    mask_m = offs_m < M
+    mask = mask_m[:, None] & (offs_k[None, :] < K)
+    rows = offs_m.to(tl.int64)[:, None]
+
+    # load one group of BLOCK_M rows; padding lanes read as 0 and cannot raise the amax
+    x = tl.load(x_ptr + rows * stride_xm + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+    ax = tl.abs(x)
+
+    # non-finite detection: exponent bits all ones; one predicated store per program
+    n_bad = count_nonfinite(x)
     tl.store(flag_ptr + flag_slot, 1, mask=n_bad > 0)
 
+    # scale per group: max(amax, eps) / 448, correctly rounded
+    amax = tl.max(ax, axis=1)
+    s = e4m3_scale(amax, EPS, FP8_MAX)
 
-@functools.lru_cache(maxsize=256)
-def default_config(m: int, k: int) -> tuple[int, int, int, int, bool]:
-    """``(block_m, groups_k, num_warps, num_stages, persistent)`` for an ``[m, k]`` input.
-
-    A program quantizes a ``[block_m, groups_k * 128]`` tile. Last session's ``[32, 128]`` tiles
-    (4 warps) reached 74% of copy bandwidth on the H200: too little work per program. Default:
-    32 rows by up to 4 groups (``[32, 512]``, 32 KiB of bf16 per program) with 8 warps; narrower
-    for small K (``groups_k`` is the power of two covering K, at most 4) and 16 rows when M is tiny.
-    ``scripts/bench_kernels.py --sweep`` times the alternatives (``SWEEP_CONFIGS``).
-    """
-    g = groups(k)
-    groups_k = min(4, triton.next_power_of_2(g))
-    block_m = 16 if m <= 16 else 32
-    num_warps = 8 if block_m * groups_k >= 64 else 4
-    return block_m, groups_k, num_warps, 3, False
-
-
-# candidate configs timed by `bench_kernels.py --sweep` (keyword arguments of the launcher)
-SWEEP_CONFIGS = [
-    dict(block_m=32, groups_k=1, num_warps=4),
-    dict(block_m=64, groups_k=1, num_warps=8),
-    dict(block_m=128, groups_k=1, num_warps=8),
-    dict(block_m=16, groups_k=4, num_warps=4),
-    dict(block_m=32, groups_k=2, num_warps=4),
-    dict(block_m=32, groups_k=4, num_warps=8),
-    dict(block_m=64, groups_k=2, num_warps=8),
-    dict(block_m=64, groups_k=4, num_warps=8),
-    dict(block_m=32, groups_k=8, num_warps=8),
-    dict(block_m=32, groups_k=4, num_warps=8, persistent=True),
-    dict(block_m=64, groups_k=2, num_warps=8, persistent=True),
-]
+    # quantize: true division, clamp, then the RNE cast
+    y = e4m3_grid(x, s[:, None], FP8_MAX)
+    tl.store(q_ptr + rows * stride_qm + offs_k[None, :], y.to(tl.float8e4nv), mask=mask)
+    tl.store(s_ptr + offs_m * stride_sm + pid_g * stride_sg, s, mask=mask_m)
+    if STORE_PRECAST:
+        tl.store(pre_ptr + rows * K + offs_k[None, :], y, mask=mask)
 
 
 def launch_quantize_1x128(
@@ -173,11 +93,8 @@ def launch_quantize_1x128(
     scale_layout: str = "row",
     name: str = "x",
     precast: torch.Tensor | None = None,
-    block_m: int | None = None,
-    num_warps: int | None = None,
-    groups_k: int | None = None,
-    num_stages: int | None = None,
-    persistent: bool | None = None,
+    block_m: int = 32,
+    num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the Triton kernel.
 
@@ -186,8 +103,6 @@ def launch_quantize_1x128(
     scales: fp32 ``[M, ceil(K/128)]``; strides ``(G, 1)`` for ``"row"``, ``(1, align(M, 4))`` for ``"deepgemm"``.
     ``precast`` (tests only): an fp32 ``[M, K]`` contiguous buffer that receives the clamped ``x / s``
     values before the e4m3 cast, so a harness can apply a known-correct cast.
-    Tiling (``None`` = `default_config`): a program owns ``[block_m, groups_k * 128]`` (both powers of
-    two); ``persistent`` launches ``4 * SMs`` programs that loop over the tiles.
     """
     check_matrix(x, name, OP)
     assert scale_layout in SCALE_LAYOUTS, f"{OP}: scale_layout={scale_layout!r}, choose one of {SCALE_LAYOUTS}"
@@ -201,15 +116,8 @@ def launch_quantize_1x128(
         )
     if x.numel() == 0:
         return q, s
-    bm, gk, nw, ns, pers = default_config(m, k)
-    bm = bm if block_m is None else block_m
-    gk = gk if groups_k is None else groups_k
-    nw = nw if num_warps is None else num_warps
-    ns = ns if num_stages is None else num_stages
-    pers = pers if persistent is None else persistent
     flag, slot = nonfinite_flag(OP, name, x.device)
-    tiles_m, tiles_k = triton.cdiv(m, bm), triton.cdiv(g, gk)
-    grid = (min(tiles_m * tiles_k, 4 * num_sms(x.device)),) if pers else (tiles_m, tiles_k)
+    grid = (triton.cdiv(m, block_m), g)
     _quantize_1x128_kernel[grid](
         x,
         q,
@@ -223,17 +131,12 @@ def launch_quantize_1x128(
         q.stride(0),
         s.stride(0),
         s.stride(1),
-        tiles_m,
-        tiles_k,
         EPS=DEFAULT_EPS,
         FP8_MAX=E4M3_MAX,
-        BLOCK_M=bm,
+        BLOCK_M=block_m,
         GROUP=BLOCK,
-        GROUPS_K=gk,
-        PERSISTENT=pers,
         STORE_PRECAST=precast is not None,
-        num_warps=nw,
-        num_stages=ns,
+        num_warps=num_warps,
     )
     return q, s
 

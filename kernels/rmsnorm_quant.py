@@ -21,22 +21,17 @@ Backward (fp32 math, outputs in the input dtypes), with ``xhat = x * rstd`` and 
 dweight is reduced in two deterministic stages: each program accumulates its rows in fp32 registers
 and writes one partial row; the partials are summed in fp32 by torch.
 
-The forward holds rows of up to 16384 in registers by default (``BLOCK_K = next_pow2(K)``, several
-rows per program when K is small, 16-32 fp32 lanes per thread, up to 16 warps): X is read once.
-Longer rows, or a smaller ``block_k`` passed to the launcher, go in two passes over BLOCK_K-wide
-chunks (sum of squares, then normalize + quantize re-reading the chunk from L2). An earlier
-16384-lane register row with fewer warps measured only 1.4 TB/s on the H200, which is why the
-two-pass path exists; `default_config` documents the choice and the sweep times both. A tile is
-addressed as ``[rows, BLOCK_K/128, 128]`` (loaded in that shape, no reshape) for the per-group amax;
-the variance sums each row over lanes, then over groups (fp32; the order is not part of the spec).
+The forward holds rows of up to 4096 in registers (``BLOCK_K = next_pow2(K)``, several rows per
+program when K is small); longer rows go in two passes over 4096-wide chunks (sum of squares, then
+normalize + quantize re-reading the chunk from L2), since a 16384-lane register row (K = 14336)
+measured only 1.4 TB/s on the H200. A tile is viewed as ``[rows, BLOCK_K/128, 128]`` for the
+per-group amax.
 
 `rmsnorm_quant` is registered with autograd: the gradient of y flows to x and weight through
 `rmsnorm_backward`; q, s and rstd are not differentiable.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -75,9 +70,10 @@ def _norm_quant_chunk(
     x_raw,
     w,
     rstd,
+    rows,
     offs_m,
+    offs_k,
     mask_m,
-    offs_g,
     K,
     y_ptr,
     q_ptr,
@@ -87,29 +83,31 @@ def _norm_quant_chunk(
     stride_sg,
     EPS: tl.constexpr,
     FP8_MAX: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     GROUP: tl.constexpr,
     STORE_PRECAST: tl.constexpr,
 ):
-    # x_raw [BLOCK_M, NG, 128] (rows, 128-groups of the chunk, lanes); w fp32 [NG, 128]; rstd [BLOCK_M]
-    offs_k = offs_g[None, :, None] * GROUP + tl.arange(0, GROUP)[None, None, :]
-    mask = mask_m[:, None, None] & (offs_k < K)
-    rows = offs_m.to(tl.int64)[:, None, None]
-
     # y = weight * (x * rstd).to(x.dtype), computed in fp32 and stored in x.dtype
+    mask = mask_m[:, None] & (offs_k[None, :] < K)
     x = x_raw.to(tl.float32)
-    n = (x * rstd[:, None, None]).to(x_raw.dtype).to(tl.float32)
-    y = (w[None, :, :] * n).to(x_raw.dtype)
-    tl.store(y_ptr + rows * K + offs_k, y, mask=mask)
+    n = (x * rstd[:, None]).to(x_raw.dtype).to(tl.float32)
+    y = (w[None, :] * n).to(x_raw.dtype)
+    tl.store(y_ptr + rows * K + offs_k[None, :], y, mask=mask)
     yf = y.to(tl.float32)
 
-    # 1x128 quantization of the stored y: per-group amax over the lane axis
-    s = e4m3_scale(tl.max(tl.abs(yf), axis=2), EPS, FP8_MAX)
-    qv = e4m3_grid(yf, s[:, :, None], FP8_MAX)
-    tl.store(q_ptr + rows * K + offs_k, qv.to(tl.float8e4nv), mask=mask)
+    # 1x128 quantization of the stored y: per-group amax over a [BLOCK_M, BLOCK_K/128, 128] view
+    y3 = tl.reshape(yf, [BLOCK_M, BLOCK_K // GROUP, GROUP])
+    amax = tl.max(tl.abs(y3), axis=2)
+    s = e4m3_scale(amax, EPS, FP8_MAX)
+    qv = e4m3_grid(y3, s[:, :, None], FP8_MAX)
+    qv = tl.reshape(qv, [BLOCK_M, BLOCK_K])
+    tl.store(q_ptr + rows * K + offs_k[None, :], qv.to(tl.float8e4nv), mask=mask)
+    offs_g = tl.min(offs_k, axis=0) // GROUP + tl.arange(0, BLOCK_K // GROUP)
     s_mask = mask_m[:, None] & (offs_g[None, :] * GROUP < K)
     tl.store(s_ptr + offs_m[:, None] * stride_sm + offs_g[None, :] * stride_sg, s, mask=s_mask)
     if STORE_PRECAST:
-        tl.store(pre_ptr + rows * K + offs_k, qv, mask=mask)
+        tl.store(pre_ptr + rows * K + offs_k[None, :], qv, mask=mask)
     # non-finite detection on the input and on what gets quantized
     return count_nonfinite(x) + count_nonfinite(yf)
 
@@ -139,50 +137,43 @@ def _rmsnorm_quant_kernel(
     SINGLE: tl.constexpr,
     STORE_PRECAST: tl.constexpr,
 ):
-    # tiles are addressed as [BLOCK_M, BLOCK_K / 128, 128] (no reshape): rows, groups, lanes
     pid = tl.program_id(0)
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
-    rows = offs_m.to(tl.int64)[:, None, None]
-    lanes = tl.arange(0, GROUP)
+    rows = offs_m.to(tl.int64)[:, None]
     if SINGLE:
         # the whole row fits one BLOCK_K tile: one read, kept in registers
-        offs_g = tl.arange(0, BLOCK_K // GROUP)
-        offs_k = offs_g[None, :, None] * GROUP + lanes[None, None, :]
-        mask = mask_m[:, None, None] & (offs_k < K)
-        x_raw = tl.load(x_ptr + rows * stride_xm + offs_k, mask=mask, other=0.0)
+        offs_k = tl.arange(0, BLOCK_K)
+        mask = mask_m[:, None] & (offs_k[None, :] < K)
+        x_raw = tl.load(x_ptr + rows * stride_xm + offs_k[None, :], mask=mask, other=0.0)
         x = x_raw.to(tl.float32)
         # RMS statistics in fp32: var = sum(x^2) / K, rstd = rsqrt(var + eps)
-        var = tl.math.div_rn(tl.sum(tl.sum(x * x, axis=2), axis=1), tl.full([BLOCK_M], K, tl.float32))
+        var = tl.math.div_rn(tl.sum(x * x, axis=1), tl.full([BLOCK_M], K, tl.float32))
         rstd = tl.math.rsqrt(var + rms_eps)
-        offs_w = offs_g[:, None] * GROUP + lanes[None, :]
-        w = tl.load(w_ptr + offs_w, mask=offs_w < K, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
         n_bad = _norm_quant_chunk(
-            x_raw, w, rstd, offs_m, mask_m, offs_g, K, y_ptr, q_ptr, s_ptr, pre_ptr, stride_sm, stride_sg,
-            EPS, FP8_MAX, GROUP, STORE_PRECAST,
+            x_raw, w, rstd, rows, offs_m, offs_k, mask_m, K, y_ptr, q_ptr, s_ptr, pre_ptr, stride_sm, stride_sg,
+            EPS, FP8_MAX, BLOCK_M, BLOCK_K, GROUP, STORE_PRECAST,
         )  # fmt: skip
     else:
         # long rows: pass 1 accumulates sum(x^2) over BLOCK_K chunks, pass 2 re-reads them (L2)
         acc = tl.zeros([BLOCK_M], dtype=tl.float32)
         for c in range(0, K, BLOCK_K):
-            offs_g = c // GROUP + tl.arange(0, BLOCK_K // GROUP)
-            offs_k = offs_g[None, :, None] * GROUP + lanes[None, None, :]
-            mask = mask_m[:, None, None] & (offs_k < K)
-            x = tl.load(x_ptr + rows * stride_xm + offs_k, mask=mask, other=0.0).to(tl.float32)
-            acc += tl.sum(tl.sum(x * x, axis=2), axis=1)
+            offs_k = c + tl.arange(0, BLOCK_K)
+            mask = mask_m[:, None] & (offs_k[None, :] < K)
+            x = tl.load(x_ptr + rows * stride_xm + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+            acc += tl.sum(x * x, axis=1)
         var = tl.math.div_rn(acc, tl.full([BLOCK_M], K, tl.float32))
         rstd = tl.math.rsqrt(var + rms_eps)
         n_bad = tl.full([], 0, tl.int32)
         for c in range(0, K, BLOCK_K):
-            offs_g = c // GROUP + tl.arange(0, BLOCK_K // GROUP)
-            offs_k = offs_g[None, :, None] * GROUP + lanes[None, None, :]
-            mask = mask_m[:, None, None] & (offs_k < K)
-            x_raw = tl.load(x_ptr + rows * stride_xm + offs_k, mask=mask, other=0.0)
-            offs_w = offs_g[:, None] * GROUP + lanes[None, :]
-            w = tl.load(w_ptr + offs_w, mask=offs_w < K, other=0.0).to(tl.float32)
+            offs_k = c + tl.arange(0, BLOCK_K)
+            mask = mask_m[:, None] & (offs_k[None, :] < K)
+            x_raw = tl.load(x_ptr + rows * stride_xm + offs_k[None, :], mask=mask, other=0.0)
+            w = tl.load(w_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
             n_bad += _norm_quant_chunk(
-                x_raw, w, rstd, offs_m, mask_m, offs_g, K, y_ptr, q_ptr, s_ptr, pre_ptr, stride_sm, stride_sg,
-                EPS, FP8_MAX, GROUP, STORE_PRECAST,
+                x_raw, w, rstd, rows, offs_m, offs_k, mask_m, K, y_ptr, q_ptr, s_ptr, pre_ptr, stride_sm, stride_sg,
+                EPS, FP8_MAX, BLOCK_M, BLOCK_K, GROUP, STORE_PRECAST,
             )  # fmt: skip
     tl.store(rstd_ptr + offs_m, rstd, mask=mask_m)
     tl.store(flag_ptr + flag_slot, 1, mask=n_bad > 0)
@@ -229,35 +220,17 @@ def _rmsnorm_backward_kernel(
     tl.store(dw_part_ptr + pid.to(tl.int64) * K + offs_k, dw_acc, mask=mask_k)
 
 
-@functools.lru_cache(maxsize=256)
-def default_config(m: int, k: int) -> tuple[int, int, int, int]:
-    """``(block_m, block_k, num_warps, num_stages)`` of the forward for an ``[m, k]`` input.
-
-    Rows up to `MAX_SINGLE_K` stay in registers (``block_k = next_pow2(k)``, X read once), with
-    16-32 fp32 lanes per thread (``num_warps = block_m * block_k / 512`` in 4..16: 32 warps would cap
-    ptxas at 64 registers per thread) and several rows per program while a row is narrower than
-    4096. Longer rows take the two-pass path (``block_k`` wide chunks; pass 2 re-reads X from L2).
-    Last session's default (two passes of 4096 for K = 14336, 8 warps) reached 52% of copy on the
-    H200; `bench_kernels.py --sweep` times `SWEEP_CONFIGS`.
-    """
+def _fwd_config(k: int) -> tuple[int, int, int, bool]:
+    """(BLOCK_M, BLOCK_K, num_warps, SINGLE): rows up to MAX_SINGLE_K stay in registers; longer rows
+    are processed in MAX_SINGLE_K chunks (a 16384-lane register row measured 1.4 TB/s on the H200)."""
     if k <= MAX_SINGLE_K:
         block_k = max(BLOCK, triton.next_power_of_2(k))
         block_m = max(1, 4096 // block_k)
-        return block_m, block_k, min(16, max(4, block_m * block_k // 512)), 3
-    return 1, 4096, 8, 3
+        return block_m, block_k, (8 if block_k * block_m >= 4096 else 4), True
+    return 1, MAX_SINGLE_K, 8, False
 
 
-MAX_SINGLE_K = 16384
-
-SWEEP_CONFIGS = [
-    dict(block_m=1, block_k=4096, num_warps=8),
-    dict(block_m=1, block_k=4096, num_warps=16),
-    dict(block_m=2, block_k=4096, num_warps=16),
-    dict(block_m=1, block_k=8192, num_warps=16),
-    dict(block_m=1, block_k=16384, num_warps=16),
-    dict(block_m=1, block_k=16384, num_warps=32),
-    dict(block_m=2, block_k=16384, num_warps=32),
-]
+MAX_SINGLE_K = 4096
 
 
 def launch_rmsnorm_quant(
@@ -275,9 +248,6 @@ def launch_rmsnorm_quant(
     Output: y ``[M, K]`` x.dtype contiguous; q float8_e4m3fn ``[M, K]`` contiguous; rstd fp32 ``[M]``.
     scales: fp32 ``[M, ceil(K/128)]``, strides ``(G, 1)`` (``"row"``) or ``(1, align(M, 4))`` (``"deepgemm"``).
     ``precast`` (tests only): fp32 ``[M, K]`` buffer receiving the clamped ``y / s`` before the cast.
-    ``config``: ``block_m`` rows per program, ``block_k`` (a power of two >= 128; >= K keeps the row
-    in registers, else two passes over block_k chunks), ``num_warps``, ``num_stages``; absent or
-    ``None`` = `default_config`.
     """
     check_matrix(x, name, OP)
     _check_weight(weight, x, name)
@@ -294,16 +264,11 @@ def launch_rmsnorm_quant(
         )
     if x.numel() == 0:
         return y, q, s, rstd
-    block_m, block_k, num_warps, num_stages = default_config(m, k)
-    if config:
-        unknown = set(config) - {"block_m", "block_k", "num_warps", "num_stages"}
-        assert not unknown, f"{OP}: unknown launch config keys {sorted(unknown)}"
-        block_m = config.get("block_m") or block_m
-        block_k = config.get("block_k") or block_k
-        num_warps = config.get("num_warps") or num_warps
-        num_stages = config.get("num_stages") or num_stages
-    assert block_k % BLOCK == 0 and block_k & (block_k - 1) == 0, f"{OP}: block_k={block_k} must be a power of 2 >= 128"
-    single = block_k >= k
+    block_m, block_k, num_warps, single = _fwd_config(k)
+    block_m = config.get("block_m", block_m)
+    block_k = config.get("block_k", block_k)
+    num_warps = config.get("num_warps", num_warps)
+    single = single and block_k >= k
     flag, slot = nonfinite_flag(OP, name, dev)
     _rmsnorm_quant_kernel[(triton.cdiv(m, block_m),)](
         x,
@@ -329,7 +294,6 @@ def launch_rmsnorm_quant(
         SINGLE=single,
         STORE_PRECAST=precast is not None,
         num_warps=num_warps,
-        num_stages=num_stages,
     )
     return y, q, s, rstd
 

@@ -127,8 +127,7 @@ def test_fake_impl_shapes():
     assert y.dtype == torch.bfloat16 and q.dtype == torch.float8_e4m3fn
 
 
-# (2, 5000): a row wider than 4096 (held in registers by default; the two-pass path with block_k < K
-# is exercised by test_launch_configs.py)
+# (2, 5000): K > 4096 takes the two-pass chunked path
 _INTERP = [(m, k, d, kind) for (m, k) in INTERP_SHAPES + [(3, 1000), (2, 5000)] for d in DTYPES for kind in KINDS]
 
 
