@@ -50,6 +50,8 @@ __all__ = [
     "aggregate_loss",
     "policy_loss",
     "truncated_is_weights",
+    "KL_TYPES",
+    "kl_penalty",
     "mismatch_metrics",
     "pass_at_k",
 ]
@@ -58,6 +60,12 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 """``token-mean``: sum over all tokens / number of tokens (DAPO). ``seq-mean-token-mean``: per
 sequence token mean, then mean over sequences (GRPO). ``seq-mean-token-sum``: per sequence token sum,
 then mean over sequences."""
+
+KL_TYPES = ("k1", "abs", "k2", "k3")
+"""Per-token estimators of KL(policy || reference) from sampled tokens, ``d = logp - ref_logp``:
+``k1`` = d (unbiased, high variance, can be negative), ``abs`` = ``|d|``, ``k2`` = ``d^2 / 2``,
+``k3`` = ``exp(-d) - 1 + d`` (unbiased, non-negative, low variance; verl's ``low_var_kl``, GRPO's KL
+term), clamped to [-10, 10] as verl does so one wild token cannot dominate the loss."""
 
 
 def _check_groups(scores: torch.Tensor, group_size: int, name: str) -> torch.Tensor:
@@ -221,6 +229,25 @@ def truncated_is_weights(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor,
     if cap <= 0:
         raise ValueError(f"truncated_is_weights: cap={cap} must be > 0")
     return torch.exp(trainer_logp.detach() - rollout_logp.detach()).clamp(max=cap)
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL(policy || reference) estimate ``[N, T]`` (see `KL_TYPES`), differentiable in `logp`.
+
+    GRPO's loss adds ``kl_coef * aggregate(kl_penalty(logp, ref_logp, "k3"))``; the reference is the
+    policy at RL start and gets no gradient."""
+    if logp.shape != ref_logp.shape:
+        raise ValueError(f"kl_penalty: logp {tuple(logp.shape)} and ref_logp {tuple(ref_logp.shape)} differ")
+    d = logp - ref_logp.detach()
+    if kind == "k1":
+        return d
+    if kind == "abs":
+        return d.abs()
+    if kind == "k2":
+        return 0.5 * d.square()
+    if kind == "k3":
+        return (torch.exp(-d) - 1.0 + d).clamp(-10.0, 10.0)
+    raise ValueError(f"kl_penalty: unknown kind {kind!r}; choose one of {KL_TYPES}")
 
 
 def mismatch_metrics(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

@@ -26,7 +26,7 @@ import yaml
 
 from jetrl.recipe import RECIPE_NAMES
 
-from .algo import LOSS_AGG_MODES
+from .algo import KL_TYPES, LOSS_AGG_MODES
 
 __all__ = [
     "ConfigError",
@@ -182,6 +182,11 @@ class AlgoConfig:
     """PPO anchor log-probs: 'trainer' (recomputed with the synced weights) or 'rollout' (the engine's)."""
     tis_cap: float | None = None
     """Truncated importance sampling cap on exp(logp_trainer - logp_rollout); None = no correction."""
+    kl_coef: float = 0.0
+    """Weight of the KL penalty to the reference policy (the model at RL start, run in the recipe's
+    precision) added to the loss; 0 = off, no reference model is built (DAPO drops the KL term)."""
+    kl_type: str = "k3"
+    """KL estimator (`jetrl.train.algo.KL_TYPES`): 'k3' (verl's low_var_kl, GRPO's), 'k1', 'abs', 'k2'."""
     eps: float = 1e-6
     """Added to the group std."""
 
@@ -394,6 +399,10 @@ def _check_values(cfg: TrainConfig) -> None:
         raise _fail("algo.old_logp", f"{a.old_logp!r}: choose 'trainer' or 'rollout'")
     if a.tis_cap is not None and a.tis_cap <= 0:
         raise _fail("algo.tis_cap", f"must be > 0 or null, got {a.tis_cap}")
+    if a.kl_coef < 0:
+        raise _fail("algo.kl_coef", f"must be >= 0, got {a.kl_coef}")
+    if a.kl_type not in KL_TYPES:
+        raise _fail("algo.kl_type", f"{a.kl_type!r}: choose one of {list(KL_TYPES)}")
     if o.lr <= 0:
         raise _fail("optim.lr", f"must be > 0, got {o.lr}")
     if w.steps and w.lr <= 0:

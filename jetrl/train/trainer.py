@@ -151,19 +151,17 @@ class Trainer:
         t0 = time.perf_counter()
         self.init_path = prepare_initial_checkpoint(cfg, log=self.log)
         self.tokens = _Tokens(self.init_path, tiny=cfg.model.path is None)
-        from transformers import AutoModelForCausalLM
 
         from jetrl.convert import convert_model
 
-        self.model = AutoModelForCausalLM.from_pretrained(
-            self.init_path, dtype=torch.bfloat16, attn_implementation=cfg.model.attn_implementation
-        ).to(self.device)
-        if cfg.model.numerics == "vllm-cpu":
-            from jetrl.rollout.engine_match import match_vllm_cpu
-
-            match_vllm_cpu(self.model)
-        self.model.eval()  # no dropout in the decoders we train; eval() also keeps HF from caching
+        self.model = self._load_policy()
         self.conversion = convert_model(self.model, self.recipe, backend=cfg.run.gemm_backend)
+        self.ref_model = None
+        if cfg.algo.kl_coef > 0:
+            # the reference policy: the RL start (the warm-up checkpoint, also on --resume), frozen, in the
+            # recipe's precision so that KL(policy || reference) compares like with like
+            self.ref_model = self._load_policy().requires_grad_(False)
+            convert_model(self.ref_model, self.recipe, backend=cfg.run.gemm_backend)
         (self.run_dir / "conversion.json").write_text(json.dumps(self.conversion.to_dict(), indent=2))
         o = cfg.optim
         self.opt = MixedPrecisionAdamW(
@@ -234,6 +232,20 @@ class Trainer:
         from jetrl.rollout.sync import sync_weights
 
         return sync_weights(self.model, self.engine, self.recipe)
+
+    def _load_policy(self):
+        """The model of `init_path` in BF16 on the run's device, in eval mode (no dropout; no HF cache)."""
+        from transformers import AutoModelForCausalLM
+
+        cfg = self.cfg
+        model = AutoModelForCausalLM.from_pretrained(
+            self.init_path, dtype=torch.bfloat16, attn_implementation=cfg.model.attn_implementation
+        ).to(self.device)
+        if cfg.model.numerics == "vllm-cpu":
+            from jetrl.rollout.engine_match import match_vllm_cpu
+
+            match_vllm_cpu(model)
+        return model.eval()
 
     # ------------------------------------------------------------------ rollout
     def _generate(self, problems: list[Problem], *, n: int, temperature: float, seed: int):
@@ -331,17 +343,21 @@ class Trainer:
         old_lp = torch.zeros_like(batch.rollout_logp)
         ent = torch.zeros_like(batch.rollout_logp)
         all_idx = list(range(len(batch)))
+        ref_lp = torch.zeros_like(batch.rollout_logp) if self.ref_model is not None else None
         with torch.no_grad():
             for mb in self._micro_batches(all_idx):
-                lp, e = forward_logprobs(self.model, batch.select(mb), temperature=temp, with_entropy=True)
+                sub = batch.select(mb)
+                lp, e = forward_logprobs(self.model, sub, temperature=temp, with_entropy=True)
                 old_lp[mb], ent[mb] = lp, e
+                if ref_lp is not None:
+                    ref_lp[mb], _ = forward_logprobs(self.ref_model, sub, temperature=temp)
         out = dict(algo.mismatch_metrics(old_lp, batch.rollout_logp, batch.mask))
         out["actor/entropy"] = float(algo.masked_mean(ent, batch.mask))
         anchor = old_lp if a.old_logp == "trainer" else batch.rollout_logp
         is_w = algo.truncated_is_weights(old_lp, batch.rollout_logp, a.tis_cap) if a.tis_cap else None
         adv = algo.group_advantages(ro.rewards, g, norm_by_std=a.norm_adv_by_std, eps=a.eps).to(self.device)
         gen = torch.Generator().manual_seed(_seed_of(self.cfg.run.seed, step, 99))
-        stats = {"clip_frac": 0.0, "approx_kl": 0.0, "ratio_max": 0.0, "pg_loss": 0.0, "tokens": 0.0}
+        stats = {"clip_frac": 0.0, "approx_kl": 0.0, "kl": 0.0, "ratio_max": 0.0, "pg_loss": 0.0, "tokens": 0.0}
         norms = []
         n_mb = min(a.mini_batches, n_groups)
         for _ in range(a.epochs):
@@ -364,12 +380,20 @@ class Trainer:
                         num_tokens=num_tokens,
                         num_seqs=len(idx),
                     )
+                    st["pg_loss"] = float(loss.detach())
+                    if ref_lp is not None:
+                        kl = algo.kl_penalty(lp, ref_lp[mb], a.kl_type)
+                        kl_loss = algo.aggregate_loss(
+                            kl, sub.mask, a.loss_agg, num_tokens=num_tokens, num_seqs=len(idx)
+                        )
+                        loss = loss + a.kl_coef * kl_loss
+                        st["kl"] = float(algo.masked_mean(kl.detach(), sub.mask))
                     loss.backward()
                     w = float(sub.mask.sum())
-                    for k in ("clip_frac", "approx_kl"):
-                        stats[k] += st[k] * w
+                    for k in ("clip_frac", "approx_kl", "kl"):
+                        stats[k] += st.get(k, 0.0) * w
                     stats["ratio_max"] = max(stats["ratio_max"], st["ratio_max"])
-                    stats["pg_loss"] += float(loss.detach())
+                    stats["pg_loss"] += st["pg_loss"]
                     stats["tokens"] += w
                 norms.append(self.opt.step())
         tok = max(stats["tokens"], 1.0)
@@ -385,6 +409,8 @@ class Trainer:
                 "reward/kept_mean": float(ro.rewards.mean()),
             }
         )
+        if ref_lp is not None:
+            out["actor/kl_ref"] = stats["kl"] / tok
         return out
 
     # ------------------------------------------------------------------ eval

@@ -127,3 +127,24 @@ def test_pass_at_k_hand_values():
     assert algo.pass_at_k(c, 4, 1) == pytest.approx((0.25 + 0.0 + 1.0) / 3)
     with pytest.raises(ValueError, match="k=5"):
         algo.pass_at_k(c, 4, 5)
+
+
+def test_kl_penalty_hand_values_and_gradients():
+    d = torch.tensor([[0.0, 0.5, -0.5, -20.0]])
+    ref = torch.full_like(d, -1.0)
+    logp = (ref + d).requires_grad_(True)
+    assert torch.equal(algo.kl_penalty(logp, ref, "k1"), d)
+    assert torch.equal(algo.kl_penalty(logp, ref, "abs"), d.abs())
+    torch.testing.assert_close(algo.kl_penalty(logp, ref, "k2"), 0.5 * d.square())
+    k3 = algo.kl_penalty(logp, ref, "k3")
+    want = torch.tensor([[0.0, math.exp(-0.5) - 1 + 0.5, math.exp(0.5) - 1 - 0.5, 10.0]])  # exp(20) clamps to 10
+    torch.testing.assert_close(k3, want)
+    assert (k3 >= 0).all()
+    # d k3 / d logp = 1 - exp(-d) (0 where clamped); the reference gets no gradient
+    k3[:, :3].sum().backward()
+    torch.testing.assert_close(logp.grad[0, :3], 1 - torch.exp(-d[0, :3]))
+    assert logp.grad[0, 3] == 0
+    with pytest.raises(ValueError, match="unknown kind 'low_var'"):
+        algo.kl_penalty(logp, ref, "low_var")
+    with pytest.raises(ValueError, match="differ"):
+        algo.kl_penalty(logp, ref[:, :2], "k3")

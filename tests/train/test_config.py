@@ -35,6 +35,8 @@ def test_defaults_and_presets():
         ({"algo": {"loss_agg": "sum"}}, "algo.loss_agg"),
         ({"algo": {"overlong_buffer": 8}}, "algo.overlong_buffer"),
         ({"algo": {"tis_cap": -1}}, "algo.tis_cap"),
+        ({"algo": {"kl_coef": -0.1}}, "algo.kl_coef"),
+        ({"algo": {"kl_type": "low_var_kl"}}, "algo.kl_type"),
         ({"optim": {"betas": [0.9]}}, "optim.betas"),
         ({"task": {"ops": ["/"]}}, "task.ops"),
         ({"model": {"dtype": "float16"}}, "model.dtype"),

@@ -142,3 +142,38 @@ def test_kill_and_resume_continues_the_metric_stream(out_dir, tmp_path):
         _train_cmd(cfg_path, "--resume", "optim.lr=1.0"), capture_output=True, text=True, env=env, timeout=120
     )
     assert res.returncode == 1 and "optim.lr" in res.stderr
+
+
+def test_kl_to_the_reference_policy(out_dir):
+    """algo.kl_coef > 0: the reference is the RL start in the recipe's precision -- its log-probs equal the
+    policy's bit for bit before the first update -- it stays frozen, and the step reports its KL."""
+    import torch
+
+    from jetrl.demo import DEFAULT_CONFIG
+    from jetrl.train.config import apply_overrides, config_from_dict
+    from jetrl.train.policy import forward_logprobs, make_batch
+    from jetrl.train.trainer import Trainer
+
+    raw = apply_overrides(
+        DEFAULT_CONFIG,
+        [*SHORT, "run.name=kl", f"run.out_dir={out_dir}", "run.steps=1", "algo.kl_coef=0.5", "run.eval_prompts=0"],
+    )
+    tr = Trainer(config_from_dict(raw), overwrite=True, log=lambda *a: None)
+    try:
+        tr.setup()
+        assert tr.ref_model is not None and not any(p.requires_grad for p in tr.ref_model.parameters())
+        ids = [tr.tokens.encode(p) for p in ("12+7=", "3*4=")]
+        batch = make_batch(ids, [[5, 6, 7], [8, 9]], [[0.0] * 3, [0.0] * 2], tr.tokens.pad_id)
+        with torch.no_grad():
+            lp0, _ = forward_logprobs(tr.model, batch)
+            ref0, _ = forward_logprobs(tr.ref_model, batch)
+        assert torch.equal(lp0, ref0)
+        ref_params = {n: p.detach().clone() for n, p in tr.ref_model.named_parameters()}
+        row = tr.step(1)
+        assert row["actor/kl_ref"] >= 0.0 and row["actor/kl_ref"] == row["actor/kl_ref"]  # k3: finite, >= 0
+        assert all(torch.equal(p, ref_params[n]) for n, p in tr.ref_model.named_parameters())
+        with torch.no_grad():
+            ref1, _ = forward_logprobs(tr.ref_model, batch)
+        assert torch.equal(ref1, ref0)
+    finally:
+        tr.close()
