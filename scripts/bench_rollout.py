@@ -10,7 +10,9 @@ GPU (H200, vllm>=0.24 with DeepGEMM): a Llama-3.1-8B-shaped model with random we
 
 then a full weight sync of an 8B trainer model (HF Llama on the same GPU, converted with
 `jetrl.convert.convert_model`) into the ``jetrl_fp8`` engine: bytes and seconds (first sync includes
-quantizing the trainer's weights once; the second is a steady-state sync). Reference (NUMERICS.md):
+quantizing the trainer's weights once and any JIT; the second is a repeat with unchanged weights; the
+third follows an in-place update of every trainer weight, as after an optimizer step, so it includes
+re-quantizing all of them: the sync an RL step pays). Reference (NUMERICS.md):
 stock vLLM 0.26 BF16 8.5k / 16.3k tok/s, block-FP8 10.8k / 19.6k at batch 64 / 256.
 
 CPU (``--tiny``): the same flow on the tiny Qwen3 (`jetrl.tiny`) with the emulated GEMM backend, plus
@@ -185,6 +187,8 @@ def _run_mode(args, mode, recipe, rollout, path, vocab, shapes, result) -> None:
 
 
 def _measure(args, mode, recipe, engine, vocab, shapes, result) -> None:
+    import torch
+
     from jetrl.rollout.sync import sync_weights
 
     result["engine_start_s"][mode] = engine.start_seconds
@@ -193,7 +197,11 @@ def _measure(args, mode, recipe, engine, vocab, shapes, result) -> None:
     if mode in args.sync_modes:
         trainer = _trainer(args, recipe)
         reports = [sync_weights(trainer, engine, recipe).to_dict() for _ in range(2)]
-        result["sync"][mode] = {"first": reports[0], "steady": reports[1]}
+        with torch.no_grad():  # what an optimizer step does: new values, version counters bumped
+            for prm in trainer.parameters():
+                prm.mul_(1.0 - 2.0**-6)
+        after = sync_weights(trainer, engine, recipe).to_dict()
+        result["sync"][mode] = {"first": reports[0], "steady": reports[1], "after_update": after}
         if args.tiny:
             from jetrl.rollout.parity import logprob_mismatch
             from jetrl.tiny import CharTokenizer
@@ -225,13 +233,42 @@ def _run_child(mode: str, tmp: Path, result: dict) -> None:
     if not child_out.exists():
         raise RuntimeError(f"bench_rollout child for {mode} exited {proc.returncode} without results")
     child = json.loads(child_out.read_text())
-    for key in ("decode", "engine_start_s", "sync", "unavailable", "errors", "logprob_mismatch"):
+    for key in _PER_MODE:
         result.setdefault(key, {}).update(child.get(key, {}))
     if proc.returncode != 0 and mode not in result["errors"]:
         result["errors"][mode] = f"child exited {proc.returncode}"
 
 
+_PER_MODE = ("decode", "engine_start_s", "sync", "unavailable", "errors", "logprob_mismatch")
+
+
+def summarize(result: dict) -> dict:
+    """Decode tok/s ratios between modes per batch size (the issue's goals: jetrl_fp8 within 5% of
+    stock_fp8 and >= 1.2x bf16 at batch 256) and the jetrl_fp8 sync seconds, from `result`."""
+    tok = {mode: {str(r["batch"]): r["tok_s"] for r in rows} for mode, rows in result["decode"].items()}
+    out: dict = {}
+    for a, b in (("jetrl_fp8", "stock_fp8"), ("jetrl_fp8", "bf16"), ("stock_fp8", "bf16")):
+        if a in tok and b in tok:
+            out[f"{a}_over_{b}"] = {k: tok[a][k] / tok[b][k] for k in tok[a] if k in tok[b]}
+    for kind, r in result["sync"].get("jetrl_fp8", {}).items():
+        out[f"sync_jetrl_fp8_{kind}_s"] = r["seconds"]
+    return out
+
+
+def merge(result: dict, earlier: dict) -> list[str]:
+    """Fold the per-mode entries of an earlier run's JSON into `result` for the modes this run did not
+    measure (e.g. a mode run alone because one invocation hit a time limit); returns those modes."""
+    mine = {m for key in _PER_MODE for m in result.get(key, {})}
+    taken = sorted({m for key in _PER_MODE for m in earlier.get(key, {})} - mine)
+    for key in _PER_MODE:
+        for mode in taken:
+            if mode in earlier.get(key, {}):
+                result.setdefault(key, {})[mode] = earlier[key][mode]
+    return taken
+
+
 def _save(result: dict, out: Path | None) -> None:
+    result["summary"] = summarize(result)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
@@ -334,6 +371,12 @@ def main(argv: list[str] | None = None) -> int:
         help="run every mode in this process (default on CPU; on a GPU each mode gets its own process)",
     )
     p.add_argument("--out", default=None, help="JSON path (default scripts/results/rollout-<cpu|gpu>.json)")
+    p.add_argument(
+        "--merge",
+        default=None,
+        help="an earlier run's JSON whose modes this run did not measure are folded into the output "
+        "(recorded under merged_from)",
+    )
     args = p.parse_args(argv)
     if args.backend is None:
         args.backend = "emulated" if args.tiny else "auto"
@@ -349,6 +392,10 @@ def main(argv: list[str] | None = None) -> int:
         args.max_model_len = 128 if args.tiny else 1024
     out = Path(args.out or Path(__file__).parent / "results" / f"rollout-{'cpu' if args.tiny else 'gpu'}.json")
     result = run(args, out)
+    if args.merge:
+        earlier = json.loads(Path(args.merge).read_text())
+        taken = merge(result, earlier)
+        result["merged_from"] = {"path": args.merge, "date": earlier.get("date"), "modes": taken}
     _save(result, out)
     print(_table(result))
     print(f"wrote {out}")

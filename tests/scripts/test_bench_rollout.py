@@ -1,0 +1,48 @@
+"""bench_rollout's pure bookkeeping: the goal ratios it derives and the merge of a separately run mode."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[2] / "scripts" / "bench_rollout.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_rollout_under_test", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _rows(*pairs):
+    return [{"batch": b, "input_len": 256, "output_len": 256, "tok_s": t} for b, t in pairs]
+
+
+def test_summary_ratios_per_batch_and_sync_seconds(bench):
+    result = {
+        "decode": {"bf16": _rows((64, 100.0), (256, 200.0)), "jetrl_fp8": _rows((64, 125.0), (256, 250.0))},
+        "sync": {"jetrl_fp8": {"first": {"seconds": 1.5}, "after_update": {"seconds": 0.5}}},
+    }
+    s = bench.summarize(result)
+    assert s["jetrl_fp8_over_bf16"] == {"64": 1.25, "256": 1.25}
+    assert "jetrl_fp8_over_stock_fp8" not in s  # no stock run, no ratio invented
+    assert s["sync_jetrl_fp8_first_s"] == 1.5 and s["sync_jetrl_fp8_after_update_s"] == 0.5
+
+
+def test_merge_takes_only_modes_this_run_lacks(bench):
+    mine = {"decode": {"bf16": _rows((64, 1.0))}, "engine_start_s": {"bf16": 3.0}, "sync": {}, "errors": {}}
+    earlier = {
+        "decode": {"bf16": _rows((64, 9.0)), "stock_fp8": _rows((64, 2.0))},
+        "engine_start_s": {"bf16": 9.0, "stock_fp8": 190.0},
+        "errors": {"stock_fp8": "boom"},
+    }
+    assert bench.merge(mine, earlier) == ["stock_fp8"]
+    assert mine["decode"]["bf16"][0]["tok_s"] == 1.0  # this run's own numbers win
+    assert mine["decode"]["stock_fp8"][0]["tok_s"] == 2.0
+    assert mine["engine_start_s"] == {"bf16": 3.0, "stock_fp8": 190.0}
+    assert mine["errors"] == {"stock_fp8": "boom"}  # an earlier failure is carried, not hidden
+    assert bench.summarize(mine)["stock_fp8_over_bf16"] == {"64": 2.0}
