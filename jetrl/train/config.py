@@ -178,6 +178,13 @@ class AlgoConfig:
     """Passes over the batch per RL step."""
     micro_batch_size: int = 64
     """Sequences per forward/backward (gradient accumulation inside a mini-batch)."""
+    micro_batch_tokens: int | None = None
+    """Token budget of one forward/backward (verl's ``use_dynamic_bsz`` / ``ppo_max_token_len_per_gpu``):
+    a mini-batch's sequences are sorted by length and packed so that each micro-batch's padded size
+    (sequences x its longest prompt + response) is at most this; `micro_batch_size` still caps the
+    sequences per micro-batch. None = fixed `micro_batch_size` chunks. Either way each micro-batch is
+    trimmed to its longest sequence, and the loss is normalized by the whole mini-batch, so the
+    gradient does not depend on the partition. Must be >= rollout.max_tokens + 1."""
     old_logp: str = "trainer"
     """PPO anchor log-probs: 'trainer' (recomputed with the synced weights) or 'rollout' (the engine's)."""
     tis_cap: float | None = None
@@ -397,6 +404,15 @@ def _check_values(cfg: TrainConfig) -> None:
         raise _fail("algo.overlong_buffer", f"{a.overlong_buffer} must be < rollout.max_tokens={ro.max_tokens}")
     if a.old_logp not in ("trainer", "rollout"):
         raise _fail("algo.old_logp", f"{a.old_logp!r}: choose 'trainer' or 'rollout'")
+    if a.micro_batch_tokens is not None:
+        if a.micro_batch_tokens <= 0:
+            raise _fail("algo.micro_batch_tokens", f"must be > 0 or null, got {a.micro_batch_tokens}")
+        if a.micro_batch_tokens < ro.max_tokens + 1:
+            raise _fail(
+                "algo.micro_batch_tokens",
+                f"{a.micro_batch_tokens} must be >= rollout.max_tokens + 1 = {ro.max_tokens + 1} (one sequence, a "
+                "prompt token and a full response, must fit in a micro-batch)",
+            )
     if a.tis_cap is not None and a.tis_cap <= 0:
         raise _fail("algo.tis_cap", f"must be > 0 or null, got {a.tis_cap}")
     if a.kl_coef < 0:

@@ -5,6 +5,11 @@ scores position ``t`` (predicting token ``t + 1``), so every token-level tensor 
 ``mask[i, t] = 1`` exactly where token ``t + 1`` of sample ``i`` is a response token. The rollout
 engine's per-token log-probs are laid out the same way, so `jetrl.train.algo` compares them directly.
 
+Micro-batches. `micro_batches` splits a mini-batch's rows into forward/backward chunks: a fixed number
+of sequences each, or (with a token budget) sorted by length and packed so that each chunk's padded
+size ``n_seqs * longest`` stays within the budget. `TokenBatch.trim` then cuts a chunk to the width of
+its longest sequence, so short sequences are not computed at the width of the longest in the batch.
+
 Mixed precision (Megatron style). The model computes in BF16 (the rollout engine's dtype, so that a
 BF16 recipe's trainer and engine see the same weights); `MixedPrecisionAdamW` keeps an fp32 master
 copy of every trainable parameter and its AdamW state, accumulates gradients in fp32 ``main_grad``
@@ -24,7 +29,7 @@ from torch import nn
 
 from .algo import entropy_from_logits, token_logprobs
 
-__all__ = ["TokenBatch", "make_batch", "forward_logprobs", "MixedPrecisionAdamW"]
+__all__ = ["TokenBatch", "make_batch", "micro_batches", "forward_logprobs", "MixedPrecisionAdamW"]
 
 
 @dataclass
@@ -48,6 +53,22 @@ class TokenBatch:
     def select(self, idx: torch.Tensor | list[int]) -> TokenBatch:
         idx = torch.as_tensor(idx, dtype=torch.long)
         return TokenBatch(*(getattr(self, f)[idx] for f in self.__dataclass_fields__))
+
+    def trim(self) -> TokenBatch:
+        """The same rows cut to the width ``w`` of their longest sequence (``attention_mask.sum(1).max()``):
+        input_ids and attention_mask ``[N, L] -> [N, w]``; targets, mask and rollout_logp
+        ``[N, L-1] -> [N, w-1]``; response_len ``[N]`` unchanged. Padding is on the right, so every
+        real token, mask entry and log-prob is kept; position ``t < w-1`` of the result is position
+        ``t`` of this batch (write results back with ``full[rows, :w-1] = part``)."""
+        w = int(self.attention_mask.sum(dim=1).max())
+        return TokenBatch(
+            self.input_ids[:, :w],
+            self.attention_mask[:, :w],
+            self.targets[:, : w - 1],
+            self.mask[:, : w - 1],
+            self.rollout_logp[:, : w - 1],
+            self.response_len,
+        )
 
 
 def make_batch(
@@ -76,6 +97,39 @@ def make_batch(
             mask[i, len(p) - 1 : len(p) - 1 + len(r)] = 1.0
             rlp[i, len(p) - 1 : len(p) - 1 + len(r)] = torch.tensor(lp, dtype=torch.float32)
     return TokenBatch(ids, attn, ids[:, 1:].clone(), mask, rlp, torch.tensor([len(r) for r in responses]))
+
+
+def micro_batches(lengths: list[int], idx: list[int], *, max_seqs: int, max_tokens: int | None) -> list[list[int]]:
+    """Split the rows `idx` of a batch into micro-batches (one forward/backward each).
+
+    `lengths[i]` is row ``i``'s real length (prompt + response tokens; indexed by row, so `idx` may be
+    any subset). With ``max_tokens=None``: consecutive chunks of `max_seqs` rows in the order of `idx`.
+    With a budget: the rows sorted by length, longest first (ties by row index), packed greedily so
+    that a micro-batch has at most `max_seqs` rows and ``n_rows * longest <= max_tokens`` (its padded
+    size once trimmed, see `TokenBatch.trim`). Deterministic. Raises ValueError (naming
+    ``algo.micro_batch_tokens``) if one sequence alone is longer than the budget.
+    """
+    if max_seqs < 1:
+        raise ValueError(f"micro_batches: max_seqs={max_seqs} must be >= 1")
+    if max_tokens is None:
+        return [idx[i : i + max_seqs] for i in range(0, len(idx), max_seqs)]
+    out: list[list[int]] = []
+    cur: list[int] = []
+    for i in sorted(idx, key=lambda i: (-lengths[i], i)):
+        n = lengths[i]
+        if n > max_tokens:
+            raise ValueError(
+                f"algo.micro_batch_tokens: row {i} is a sequence of {n} tokens (prompt + response), longer than "
+                f"the budget of {max_tokens} tokens per micro-batch; raise algo.micro_batch_tokens to >= {n}"
+            )
+        # rows come longest first, so cur[0] is the longest of the current micro-batch
+        if cur and (len(cur) == max_seqs or (len(cur) + 1) * lengths[cur[0]] > max_tokens):
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    return out
 
 
 def forward_logprobs(

@@ -8,7 +8,9 @@ One step (``t = 1 .. run.steps``)::
     train     one no-grad trainer forward over the batch with the weights the engine sampled from:
               old log-probs, entropy, and the trainer/rollout mismatch (|dlogp|, IS ratio);
               group advantages; `algo.epochs` x `algo.mini_batches` optimizer steps of the clipped
-              surrogate (micro-batched, fp32 gradient accumulation)
+              surrogate (micro-batched, fp32 gradient accumulation). Both passes run micro-batches of
+              `algo.micro_batch_size` sequences or, with `algo.micro_batch_tokens`, length-sorted
+              micro-batches packed to a token budget; each is trimmed to its longest sequence
     sync      `jetrl.rollout.sync.sync_weights`: the trainer's weights (fp8 bytes + scales under
               jetrl-unified) copied into the engine and verified by digest
     log       one metrics.jsonl line; checkpoint every `run.checkpoint_every` steps
@@ -41,7 +43,7 @@ from .checkpoint import CheckpointError, load_latest, save_checkpoint
 from .checks import check_environment
 from .config import TrainConfig
 from .metrics import MetricsWriter, read_metrics
-from .policy import MixedPrecisionAdamW, TokenBatch, forward_logprobs, make_batch
+from .policy import MixedPrecisionAdamW, TokenBatch, forward_logprobs, make_batch, micro_batches
 from .progress import ProgressBar
 from .task import ArithmeticTask, Problem, Stream, score
 from .warmup import prepare_initial_checkpoint
@@ -326,9 +328,9 @@ class Trainer:
         return batch, metrics, n
 
     # ------------------------------------------------------------------ train
-    def _micro_batches(self, idx: list[int]) -> list[list[int]]:
-        m = self.cfg.algo.micro_batch_size
-        return [idx[i : i + m] for i in range(0, len(idx), m)]
+    def _micro_batches(self, lengths: list[int], idx: list[int]) -> list[list[int]]:
+        a = self.cfg.algo
+        return micro_batches(lengths, idx, max_seqs=a.micro_batch_size, max_tokens=a.micro_batch_tokens)
 
     def _train(self, step: int, ro: _Rollout, n_groups: int) -> dict[str, float]:
         a, g = self.cfg.algo, self.cfg.rollout.samples_per_prompt
@@ -340,17 +342,21 @@ class Trainer:
             self.tokens.pad_id,
         )
         batch = TokenBatch(*(t.to(self.device) for t in vars(batch).values()))
+        lengths = batch.attention_mask.sum(dim=1).tolist()  # prompt + response tokens per row (the budget's unit)
+        # [N, L-1]; a micro-batch trimmed to its longest sequence (w + 1 tokens) fills [mb, :w], the
+        # positions beyond stay 0 (padding of those rows)
         old_lp = torch.zeros_like(batch.rollout_logp)
         ent = torch.zeros_like(batch.rollout_logp)
         all_idx = list(range(len(batch)))
         ref_lp = torch.zeros_like(batch.rollout_logp) if self.ref_model is not None else None
         with torch.no_grad():
-            for mb in self._micro_batches(all_idx):
-                sub = batch.select(mb)
+            for mb in self._micro_batches(lengths, all_idx):
+                sub = batch.select(mb).trim()
+                w = sub.mask.shape[1]
                 lp, e = forward_logprobs(self.model, sub, temperature=temp, with_entropy=True)
-                old_lp[mb], ent[mb] = lp, e
+                old_lp[mb, :w], ent[mb, :w] = lp, e
                 if ref_lp is not None:
-                    ref_lp[mb], _ = forward_logprobs(self.ref_model, sub, temperature=temp)
+                    ref_lp[mb, :w], _ = forward_logprobs(self.ref_model, sub, temperature=temp)
         out = dict(algo.mismatch_metrics(old_lp, batch.rollout_logp, batch.mask))
         out["actor/entropy"] = float(algo.masked_mean(ent, batch.mask))
         anchor = old_lp if a.old_logp == "trainer" else batch.rollout_logp
@@ -359,30 +365,36 @@ class Trainer:
         gen = torch.Generator().manual_seed(_seed_of(self.cfg.run.seed, step, 99))
         stats = {"clip_frac": 0.0, "approx_kl": 0.0, "kl": 0.0, "ratio_max": 0.0, "pg_loss": 0.0, "tokens": 0.0}
         norms = []
+        n_micro, real_slots, padded_slots = 0, 0, 0
         n_mb = min(a.mini_batches, n_groups)
         for _ in range(a.epochs):
             order = torch.randperm(n_groups, generator=gen).tolist()
             for groups in [order[i::n_mb] for i in range(n_mb)]:
                 idx = [gi * g + j for gi in sorted(groups) for j in range(g)]
                 num_tokens = float(batch.mask[idx].sum())
-                for mb in self._micro_batches(idx):
-                    sub = batch.select(mb)
+                for mb in self._micro_batches(lengths, idx):
+                    sub = batch.select(mb).trim()
+                    w = sub.mask.shape[1]
+                    n_micro += 1
+                    real_slots += int(sub.attention_mask.sum())
+                    padded_slots += sub.attention_mask.numel()
                     lp, _ = forward_logprobs(self.model, sub, temperature=temp)
+                    # denominators of the whole mini-batch: the micro-batch losses sum to its loss
                     loss, st = algo.policy_loss(
                         lp,
-                        anchor[mb],
+                        anchor[mb, :w],
                         adv[mb],
                         sub.mask,
                         clip_low=a.clip_low,
                         clip_high=a.clip_high,
                         loss_agg=a.loss_agg,
-                        is_weights=None if is_w is None else is_w[mb],
+                        is_weights=None if is_w is None else is_w[mb, :w],
                         num_tokens=num_tokens,
                         num_seqs=len(idx),
                     )
                     st["pg_loss"] = float(loss.detach())
                     if ref_lp is not None:
-                        kl = algo.kl_penalty(lp, ref_lp[mb], a.kl_type)
+                        kl = algo.kl_penalty(lp, ref_lp[mb, :w], a.kl_type)
                         kl_loss = algo.aggregate_loss(
                             kl, sub.mask, a.loss_agg, num_tokens=num_tokens, num_seqs=len(idx)
                         )
@@ -406,6 +418,8 @@ class Trainer:
                 "actor/grad_norm": sum(norms) / len(norms),
                 "actor/lr": self.opt.lr(),
                 "actor/optimizer_steps": len(norms),
+                "batch/micro_batches": n_micro,
+                "batch/pad_frac": 1.0 - real_slots / padded_slots,
                 "reward/kept_mean": float(ro.rewards.mean()),
             }
         )

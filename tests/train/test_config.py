@@ -36,6 +36,10 @@ def test_defaults_and_presets():
         ({"algo": {"overlong_buffer": 8}}, "algo.overlong_buffer"),
         ({"algo": {"tis_cap": -1}}, "algo.tis_cap"),
         ({"algo": {"kl_coef": -0.1}}, "algo.kl_coef"),
+        ({"algo": {"micro_batch_tokens": 0}}, "algo.micro_batch_tokens"),
+        ({"algo": {"micro_batch_tokens": -64}}, "algo.micro_batch_tokens"),
+        ({"algo": {"micro_batch_tokens": 8}}, "algo.micro_batch_tokens"),  # < rollout.max_tokens + 1 = 9
+        ({"algo": {"micro_batch_tokens": 1.5}}, "algo.micro_batch_tokens"),
         ({"algo": {"kl_type": "low_var_kl"}}, "algo.kl_type"),
         ({"optim": {"betas": [0.9]}}, "optim.betas"),
         ({"task": {"ops": ["/"]}}, "task.ops"),
@@ -50,6 +54,15 @@ def test_bad_config_names_field(raw, field):
     with pytest.raises(ConfigError) as ei:
         config_from_dict(raw)
     assert str(ei.value).startswith(field + ":"), str(ei.value)
+
+
+def test_micro_batch_tokens():
+    assert config_from_dict({}).algo.micro_batch_tokens is None
+    assert config_from_dict({"algo": {"micro_batch_tokens": 9}}).algo.micro_batch_tokens == 9  # max_tokens + 1
+    cfg = config_from_dict({"rollout": {"max_tokens": 100, "max_model_len": 160}, "algo": {"micro_batch_tokens": 512}})
+    assert cfg.algo.micro_batch_tokens == 512
+    with pytest.raises(ConfigError, match=r"algo.micro_batch_tokens: 64 must be >= rollout.max_tokens \+ 1 = 101"):
+        config_from_dict({"rollout": {"max_tokens": 100, "max_model_len": 160}, "algo": {"micro_batch_tokens": 64}})
 
 
 def test_unknown_key_suggests_closest():
