@@ -18,7 +18,8 @@ and a random model's ids beyond the character tokenizer are never decoded); the 
 reward is then 0, the advantages are 0 and the update changes nothing, but every GEMM, quantization
 and copy of a real step is executed.
 
-    python scripts/bench_e2e.py [--tiny] [--prompts 32 --samples 8 --max-tokens 512] [--steps 3] [--out DIR]
+    python scripts/bench_e2e.py [--tiny] [--prompts 32 --samples 8 --max-tokens 512] [--steps 3]
+                                [--micro-batch-tokens N] [--out DIR]
 
 Writes ``e2e-<device>.json`` (device name, torch/triton/vllm versions, date, the config, every step's
 times and the medians) to ``--out`` (default scripts/results/) and prints a table.
@@ -116,7 +117,12 @@ def _config(args, recipe: str, model_path: str, out_dir: str) -> dict:
             ),
             "ignore_eos": True,
         },
-        "algo": {"name": "grpo", "mini_batches": args.mini_batches, "micro_batch_size": args.micro_batch_size},
+        "algo": {
+            "name": "grpo",
+            "mini_batches": args.mini_batches,
+            "micro_batch_size": args.micro_batch_size,
+            "micro_batch_tokens": args.micro_batch_tokens,
+        },
         "lint": {"enabled": False},
     }
 
@@ -157,6 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
     p.add_argument("--mini-batches", type=int, default=2)
     p.add_argument("--micro-batch-size", type=int, default=None, help="sequences per forward (default 8; --tiny 64)")
+    p.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=None,
+        help="token budget per forward (algo.micro_batch_tokens: length-sorted packing; default off)",
+    )
     p.add_argument("--backend", default="auto", help="jetrl.gemm backend of the FP8 recipe")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.35, help="vLLM's share of the GPU")
     p.add_argument("--cuda-graphs", action="store_true", help="let vLLM capture CUDA graphs (enforce_eager=False)")
@@ -252,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                 "steps",
                 "mini_batches",
                 "micro_batch_size",
+                "micro_batch_tokens",
                 "backend",
                 "seed",
             )
