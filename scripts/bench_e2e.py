@@ -19,7 +19,7 @@ reward is then 0, the advantages are 0 and the update changes nothing, but every
 and copy of a real step is executed.
 
     python scripts/bench_e2e.py [--tiny] [--prompts 32 --samples 8 --max-tokens 512] [--steps 3]
-                                [--micro-batch-tokens N] [--out DIR]
+                                [--micro-batch-tokens N] [--fuse] [--cuda-graphs] [--out DIR]
 
 Writes ``e2e-<device>.json`` (device name, torch/triton/vllm versions, date, the config, every step's
 times and the medians) to ``--out`` (default scripts/results/) and prints a table.
@@ -88,6 +88,8 @@ def _make_model(path: Path, tiny: bool, seed: int) -> None:
 def _config(args, recipe: str, model_path: str, out_dir: str) -> dict:
     import torch
 
+    from jetrl.recipe import Recipe
+
     cuda = torch.cuda.is_available()
     return {
         "run": {
@@ -102,7 +104,7 @@ def _config(args, recipe: str, model_path: str, out_dir: str) -> dict:
             "eval_prompts": 0,
             "progress": False,
         },
-        "model": {"path": model_path},
+        "model": {"path": model_path, "fuse_producers": args.fuse and Recipe.from_name(recipe).train_fp8},
         "warmup": {"steps": 0},
         "rollout": {
             "prompts_per_step": args.prompts,
@@ -171,6 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--backend", default="auto", help="jetrl.gemm backend of the FP8 recipe")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.35, help="vLLM's share of the GPU")
+    p.add_argument(
+        "--fuse",
+        action="store_true",
+        help="FP8 recipe: fused RMSNorm/SwiGLU quantizing producers (model.fuse_producers)",
+    )
     p.add_argument("--cuda-graphs", action="store_true", help="let vLLM capture CUDA graphs (enforce_eager=False)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
@@ -265,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                 "mini_batches",
                 "micro_batch_size",
                 "micro_batch_tokens",
+                "fuse",
                 "backend",
                 "seed",
             )

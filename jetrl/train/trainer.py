@@ -157,13 +157,14 @@ class Trainer:
         from jetrl.convert import convert_model
 
         self.model = self._load_policy()
-        self.conversion = convert_model(self.model, self.recipe, backend=cfg.run.gemm_backend)
+        fuse = cfg.model.fuse_producers
+        self.conversion = convert_model(self.model, self.recipe, backend=cfg.run.gemm_backend, fuse=fuse)
         self.ref_model = None
         if cfg.algo.kl_coef > 0:
             # the reference policy: the RL start (the warm-up checkpoint, also on --resume), frozen, in the
             # recipe's precision so that KL(policy || reference) compares like with like
             self.ref_model = self._load_policy().requires_grad_(False)
-            convert_model(self.ref_model, self.recipe, backend=cfg.run.gemm_backend)
+            convert_model(self.ref_model, self.recipe, backend=cfg.run.gemm_backend, fuse=fuse)
         (self.run_dir / "conversion.json").write_text(json.dumps(self.conversion.to_dict(), indent=2))
         o = cfg.optim
         self.opt = MixedPrecisionAdamW(

@@ -41,6 +41,8 @@ def test_defaults_and_presets():
         ({"algo": {"micro_batch_tokens": 8}}, "algo.micro_batch_tokens"),  # < rollout.max_tokens + 1 = 9
         ({"algo": {"micro_batch_tokens": 1.5}}, "algo.micro_batch_tokens"),
         ({"algo": {"kl_type": "low_var_kl"}}, "algo.kl_type"),
+        ({"model": {"fuse_producers": True}, "run": {"recipe": "bf16"}}, "model.fuse_producers"),
+        ({"model": {"fuse_producers": True, "numerics": "vllm-cpu"}}, "model.fuse_producers"),
         ({"optim": {"betas": [0.9]}}, "optim.betas"),
         ({"task": {"ops": ["/"]}}, "task.ops"),
         ({"model": {"dtype": "float16"}}, "model.dtype"),
