@@ -149,11 +149,25 @@ def e4m3_scale(amax, EPS: tl.constexpr, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
-def e4m3_grid(x, s, FP8_MAX: tl.constexpr):
-    """``clamp(x / s, -448, 448)`` with a correctly rounded division (`s` already broadcastable to `x`):
-    the fp32 values whose round-to-nearest-even cast ``.to(tl.float8e4nv)`` are the e4m3 bytes.
-    `jetrl.quant`'s divide-then-clamp in Triton; every kernel maps values onto the grid here."""
-    y = tl.math.div_rn(x, s)
+def e4m3_grid(x, s, FP8_MAX: tl.constexpr, RCP: tl.constexpr):
+    """``clamp(x / s, -448, 448)`` with a correctly rounded division (`s` already broadcastable to `x`,
+    one value per group): the fp32 values whose round-to-nearest-even cast ``.to(tl.float8e4nv)`` are
+    the e4m3 bytes. `jetrl.quant`'s divide-then-clamp in Triton; every kernel maps values onto the grid here.
+
+    ``RCP=False``: ``div.rn.f32`` per element. ``RCP=True``: the reciprocal once per group,
+    ``r = RN(1/s)``, then per element ``q0 = RN(x*r)`` and Markstein's correction
+    ``q = fma(fma(-q0, s, x), r, q0)`` (two FMAs instead of an IEEE division sequence). That is
+    ``RN(x/s)`` unless the quotient or its remainder underflows, i.e. for every ``|x/s| >= 2^-11``
+    (s >= eps/448 keeps the remainder normal there); below that both round to an e4m3 zero of x's
+    sign (zeros themselves are passed through), so the bytes are the same either way. Checked exactly
+    (`tests/kernels/test_e4m3_division.py`) and, on the GPU, bit for bit against the reference."""
+    if RCP:
+        r = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+        q0 = x * r
+        y = tl.math.fma(tl.math.fma(-q0, s, x), r, q0)
+        y = tl.where(x == 0.0, x, y)
+    else:
+        y = tl.math.div_rn(x, s)
     return tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
 
 

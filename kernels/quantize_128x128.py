@@ -86,7 +86,7 @@ def _quantize_128x128_kernel(
         mask = (offs_n[:, None] < N) & mask_k[None, :]
         rows = offs_n.to(tl.int64)[:, None]
         w = tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-        y = e4m3_grid(w, tl.full([CHUNK_N, BLOCK], 1.0, tl.float32) * s, FP8_MAX)
+        y = e4m3_grid(w, tl.full([CHUNK_N, BLOCK], 1.0, tl.float32) * s, FP8_MAX, False)
         tl.store(q_ptr + rows * K + offs_k[None, :], y.to(tl.float8e4nv), mask=mask)
         if STORE_PRECAST:
             tl.store(pre_ptr + rows * K + offs_k[None, :], y, mask=mask)

@@ -59,6 +59,7 @@ def _quantize_1x128_kernel(
     BLOCK_M: tl.constexpr,
     GROUP: tl.constexpr,
     STORE_PRECAST: tl.constexpr,
+    RCP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -81,7 +82,7 @@ def _quantize_1x128_kernel(
     s = e4m3_scale(amax, EPS, FP8_MAX)
 
     # quantize: true division, clamp, then the RNE cast
-    y = e4m3_grid(x, s[:, None], FP8_MAX)
+    y = e4m3_grid(x, s[:, None], FP8_MAX, RCP)
     tl.store(q_ptr + rows * stride_qm + offs_k[None, :], y.to(tl.float8e4nv), mask=mask)
     tl.store(s_ptr + offs_m * stride_sm + pid_g * stride_sg, s, mask=mask_m)
     if STORE_PRECAST:
@@ -95,6 +96,7 @@ def launch_quantize_1x128(
     precast: torch.Tensor | None = None,
     block_m: int = 32,
     num_warps: int = 4,
+    rcp: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the Triton kernel.
 
@@ -103,6 +105,7 @@ def launch_quantize_1x128(
     scales: fp32 ``[M, ceil(K/128)]``; strides ``(G, 1)`` for ``"row"``, ``(1, align(M, 4))`` for ``"deepgemm"``.
     ``precast`` (tests only): an fp32 ``[M, K]`` contiguous buffer that receives the clamped ``x / s``
     values before the e4m3 cast, so a harness can apply a known-correct cast.
+    ``rcp``: divide through the per-group reciprocal (`_runtime.e4m3_grid`; same bytes), a tuning option.
     """
     check_matrix(x, name, OP)
     assert scale_layout in SCALE_LAYOUTS, f"{OP}: scale_layout={scale_layout!r}, choose one of {SCALE_LAYOUTS}"
@@ -136,6 +139,7 @@ def launch_quantize_1x128(
         BLOCK_M=block_m,
         GROUP=BLOCK,
         STORE_PRECAST=precast is not None,
+        RCP=bool(rcp),
         num_warps=num_warps,
     )
     return q, s

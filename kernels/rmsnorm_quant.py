@@ -87,6 +87,7 @@ def _norm_quant_chunk(
     BLOCK_K: tl.constexpr,
     GROUP: tl.constexpr,
     STORE_PRECAST: tl.constexpr,
+    RCP: tl.constexpr,
 ):
     # y = weight * (x * rstd).to(x.dtype), computed in fp32 and stored in x.dtype
     mask = mask_m[:, None] & (offs_k[None, :] < K)
@@ -100,7 +101,7 @@ def _norm_quant_chunk(
     y3 = tl.reshape(yf, [BLOCK_M, BLOCK_K // GROUP, GROUP])
     amax = tl.max(tl.abs(y3), axis=2)
     s = e4m3_scale(amax, EPS, FP8_MAX)
-    qv = e4m3_grid(y3, s[:, :, None], FP8_MAX)
+    qv = e4m3_grid(y3, s[:, :, None], FP8_MAX, RCP)
     qv = tl.reshape(qv, [BLOCK_M, BLOCK_K])
     tl.store(q_ptr + rows * K + offs_k[None, :], qv.to(tl.float8e4nv), mask=mask)
     offs_g = tl.min(offs_k, axis=0) // GROUP + tl.arange(0, BLOCK_K // GROUP)
@@ -136,6 +137,7 @@ def _rmsnorm_quant_kernel(
     GROUP: tl.constexpr,
     SINGLE: tl.constexpr,
     STORE_PRECAST: tl.constexpr,
+    RCP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -153,7 +155,7 @@ def _rmsnorm_quant_kernel(
         w = tl.load(w_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
         n_bad = _norm_quant_chunk(
             x_raw, w, rstd, rows, offs_m, offs_k, mask_m, K, y_ptr, q_ptr, s_ptr, pre_ptr, stride_sm, stride_sg,
-            EPS, FP8_MAX, BLOCK_M, BLOCK_K, GROUP, STORE_PRECAST,
+            EPS, FP8_MAX, BLOCK_M, BLOCK_K, GROUP, STORE_PRECAST, RCP,
         )  # fmt: skip
     else:
         # long rows: pass 1 accumulates sum(x^2) over BLOCK_K chunks, pass 2 re-reads them (L2)
@@ -173,7 +175,7 @@ def _rmsnorm_quant_kernel(
             w = tl.load(w_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
             n_bad += _norm_quant_chunk(
                 x_raw, w, rstd, rows, offs_m, offs_k, mask_m, K, y_ptr, q_ptr, s_ptr, pre_ptr, stride_sm, stride_sg,
-                EPS, FP8_MAX, BLOCK_M, BLOCK_K, GROUP, STORE_PRECAST,
+                EPS, FP8_MAX, BLOCK_M, BLOCK_K, GROUP, STORE_PRECAST, RCP,
             )  # fmt: skip
     tl.store(rstd_ptr + offs_m, rstd, mask=mask_m)
     tl.store(flag_ptr + flag_slot, 1, mask=n_bad > 0)
@@ -248,6 +250,8 @@ def launch_rmsnorm_quant(
     Output: y ``[M, K]`` x.dtype contiguous; q float8_e4m3fn ``[M, K]`` contiguous; rstd fp32 ``[M]``.
     scales: fp32 ``[M, ceil(K/128)]``, strides ``(G, 1)`` (``"row"``) or ``(1, align(M, 4))`` (``"deepgemm"``).
     ``precast`` (tests only): fp32 ``[M, K]`` buffer receiving the clamped ``y / s`` before the cast.
+    ``config``: launch overrides ``block_m``, ``block_k``, ``num_warps``, and ``rcp`` (divide through the
+    per-group reciprocal, `_runtime.e4m3_grid`; same bytes).
     """
     check_matrix(x, name, OP)
     _check_weight(weight, x, name)
@@ -268,6 +272,7 @@ def launch_rmsnorm_quant(
     block_m = config.get("block_m", block_m)
     block_k = config.get("block_k", block_k)
     num_warps = config.get("num_warps", num_warps)
+    rcp = bool(config.get("rcp", False))
     single = single and block_k >= k
     flag, slot = nonfinite_flag(OP, name, dev)
     _rmsnorm_quant_kernel[(triton.cdiv(m, block_m),)](
@@ -293,6 +298,7 @@ def launch_rmsnorm_quant(
         GROUP=BLOCK,
         SINGLE=single,
         STORE_PRECAST=precast is not None,
+        RCP=rcp,
         num_warps=num_warps,
     )
     return y, q, s, rstd

@@ -81,6 +81,7 @@ def _swiglu_quant_kernel(
     BLOCK_M: tl.constexpr,
     GROUP: tl.constexpr,
     STORE_PRECAST: tl.constexpr,
+    RCP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -108,7 +109,7 @@ def _swiglu_quant_kernel(
     # 1x128 quantization of the stored h
     amax = tl.max(ah, axis=1)
     s = e4m3_scale(amax, EPS, FP8_MAX)
-    y = e4m3_grid(hf, s[:, None], FP8_MAX)
+    y = e4m3_grid(hf, s[:, None], FP8_MAX, RCP)
     tl.store(q_ptr + rows * N + offs_n[None, :], y.to(tl.float8e4nv), mask=mask)
     tl.store(s_ptr + offs_m * stride_sm + pid_g * stride_sg, s, mask=mask_m)
     if STORE_PRECAST:
@@ -169,6 +170,7 @@ def launch_swiglu_quant(
     precast: torch.Tensor | None = None,
     block_m: int = 16,
     num_warps: int = 4,
+    rcp: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the fused forward kernel.
 
@@ -176,6 +178,7 @@ def launch_swiglu_quant(
     Output: h ``[M, N]`` dtype contiguous; q float8_e4m3fn ``[M, N]`` contiguous.
     scales: fp32 ``[M, ceil(N/128)]``, strides ``(G, 1)`` (``"row"``) or ``(1, align(M, 4))`` (``"deepgemm"``).
     ``precast`` (tests only): fp32 ``[M, N]`` buffer receiving the clamped ``h / s`` before the cast.
+    ``rcp``: divide through the per-group reciprocal (`_runtime.e4m3_grid`; same bytes), a tuning option.
     """
     _check_pair(gate, up, OP, True)
     assert scale_layout in SCALE_LAYOUTS, f"{OP}: scale_layout={scale_layout!r}, choose one of {SCALE_LAYOUTS}"
@@ -211,6 +214,7 @@ def launch_swiglu_quant(
         BLOCK_M=block_m,
         GROUP=BLOCK,
         STORE_PRECAST=precast is not None,
+        RCP=bool(rcp),
         num_warps=num_warps,
     )
     return h, q, s

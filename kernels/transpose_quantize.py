@@ -78,6 +78,7 @@ def _transpose_quantize_kernel(
     BLOCK_K: tl.constexpr,
     FROM_FP8: tl.constexpr,
     STORE_PRECAST: tl.constexpr,
+    RCP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -106,7 +107,7 @@ def _transpose_quantize_kernel(
     s = e4m3_scale(amax, EPS, FP8_MAX)
 
     # quantize: true division, clamp, RNE cast; store transposed at q_t[k, m]
-    y = e4m3_grid(x, s[None, :], FP8_MAX)
+    y = e4m3_grid(x, s[None, :], FP8_MAX, RCP)
     cols = offs_k.to(tl.int64)[None, :]
     tl.store(qt_ptr + cols * M + offs_m[:, None], y.to(tl.float8e4nv), mask=mask)
     tl.store(st_ptr + offs_k * GM + pid_m, s, mask=mask_k)
@@ -114,7 +115,7 @@ def _transpose_quantize_kernel(
         tl.store(pre_ptr + cols * M + offs_m[:, None], y, mask=mask)
 
 
-def _launch(x, xs, name, op, precast, block_k=64, num_warps=4):
+def _launch(x, xs, name, op, precast, block_k=64, num_warps=4, rcp=False):
     m, k = x.shape
     gm = groups(m)
     dev = x.device
@@ -148,6 +149,7 @@ def _launch(x, xs, name, op, precast, block_k=64, num_warps=4):
         BLOCK_K=block_k,
         FROM_FP8=xs is not None,
         STORE_PRECAST=precast is not None,
+        RCP=bool(rcp),
         num_warps=num_warps,
     )
     return q_t, s_t
@@ -162,6 +164,8 @@ def launch_transpose_quantize(
     Output: q_t float8_e4m3fn ``[K, M]`` contiguous.
     scales: s_t fp32 ``[K, ceil(M/128)]`` contiguous (strides ``(ceil(M/128), 1)``).
     ``precast`` (tests only): fp32 ``[K, M]`` contiguous buffer receiving the clamped quotients.
+    ``config``: ``block_k`` (divides 128), ``num_warps``, ``rcp`` (per-group reciprocal division,
+    `_runtime.e4m3_grid`; same bytes).
     """
     check_matrix(x, name, OP)
     return _launch(x, None, name, OP, precast, **config)

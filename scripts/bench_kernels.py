@@ -6,8 +6,9 @@ time, and prints a table with the device-to-device copy of an ``[M, K]`` bf16 te
 same run, the eager torch reference (`jetrl.kernels.torch_<op>`) and the goals of issue 3:
 quantize kernels and rmsnorm+quant >= 80% of copy (3.4 TB/s on an H200), transpose-quantize >=
 2.5 TB/s, swiglu+quant >= 75% of copy. ``--sweep`` also times a few launch configs per kernel at the
-largest shape (to pick defaults). Writes ``kernels-<gpu>.json`` (GPU name, torch/triton versions,
-date, every row) to ``--out`` (default scripts/results/).
+largest shape (to pick defaults), each with and without ``rcp`` (the reciprocal division). Writes
+``kernels-<gpu>.json`` (GPU name, torch/triton versions, date, every row) to ``--out`` (default
+scripts/results/).
 
     python3 scripts/bench_kernels.py [--out DIR] [--sweep] [--no-eager]
 """
@@ -142,7 +143,7 @@ def _goal(kind: str, copy_gbps: float) -> tuple[float | None, str]:
     return None, "-"
 
 
-SWEEPS = {
+_SWEEP_BASE = {
     "quantize_1x128[row]": [
         dict(block_m=bm, num_warps=nw) for bm, nw in ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8))
     ],
@@ -150,6 +151,13 @@ SWEEPS = {
     "rmsnorm_quant": [dict(block_m=bm, num_warps=nw) for bm, nw in ((1, 8), (1, 16), (2, 16), (4, 16))],
     "swiglu_quant": [dict(block_m=bm, num_warps=nw) for bm, nw in ((16, 4), (32, 4), (32, 8), (64, 8))],
     "quantize_128x128[+T]": [dict(num_warps=nw) for nw in (4, 8, 16)],
+}
+RCP_KERNELS = ("quantize_1x128[row]", "transpose_quantize", "rmsnorm_quant", "swiglu_quant")
+# the default launch ({}) and every config, each also with rcp=True (division through the per-group
+# reciprocal, `jetrl.kernels._runtime.e4m3_grid`: same bytes, fewer instructions per element)
+SWEEPS = {
+    name: [{}, {"rcp": True}, *configs, *(dict(c, rcp=True) for c in configs)] if name in RCP_KERNELS else configs
+    for name, configs in _SWEEP_BASE.items()
 }
 
 
