@@ -266,6 +266,8 @@ def launch_rmsnorm_quant(
         assert precast.shape == (m, k) and precast.dtype == torch.float32 and precast.is_contiguous(), (
             f"{OP}: precast must be a contiguous float32 [{m}, {k}] buffer"
         )
+    unknown = set(config) - {"block_m", "block_k", "num_warps", "rcp"}
+    assert not unknown, f"{OP}: unknown launch options {sorted(unknown)}; use block_m, block_k, num_warps, rcp"
     if x.numel() == 0:
         return y, q, s, rstd
     block_m, block_k, num_warps, single = _fwd_config(k)

@@ -116,6 +116,10 @@ def test_cpu_rejects_bad_input():
         K.rmsnorm_quant(torch.randn(4, 256), torch.ones(255), EPS)
     with pytest.raises(ValueError, match="rstd"):
         K.rmsnorm_backward(torch.randn(4, 256), torch.randn(4, 256), torch.ones(256), torch.ones(3))
+    from jetrl.kernels.rmsnorm_quant import launch_rmsnorm_quant
+
+    with pytest.raises(AssertionError, match=r"unknown launch options \['blockm'\]"):  # a typo is not ignored
+        launch_rmsnorm_quant(torch.randn(4, 256), torch.ones(256), EPS, blockm=64)
 
 
 def test_fake_impl_shapes():
