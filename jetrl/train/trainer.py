@@ -375,39 +375,39 @@ class Trainer:
                 num_tokens = float(batch.mask[idx].sum())
                 for mb in self._micro_batches(lengths, idx):
                     sub = batch.select(mb).trim()
-                    w = sub.mask.shape[1]
+                    t = sub.mask.shape[1]
                     n_micro += 1
-                    real_slots += int(sub.attention_mask.sum())
-                    padded_slots += sub.attention_mask.numel()
+                    real_slots += sum(lengths[i] for i in mb)  # host lengths: no device sync
+                    padded_slots += len(mb) * max(lengths[i] for i in mb)  # the trimmed width
                     lp, _ = forward_logprobs(self.model, sub, temperature=temp)
                     # denominators of the whole mini-batch: the micro-batch losses sum to its loss
                     loss, st = algo.policy_loss(
                         lp,
-                        anchor[mb, :w],
+                        anchor[mb, :t],
                         adv[mb],
                         sub.mask,
                         clip_low=a.clip_low,
                         clip_high=a.clip_high,
                         loss_agg=a.loss_agg,
-                        is_weights=None if is_w is None else is_w[mb, :w],
+                        is_weights=None if is_w is None else is_w[mb, :t],
                         num_tokens=num_tokens,
                         num_seqs=len(idx),
                     )
                     st["pg_loss"] = float(loss.detach())
                     if ref_lp is not None:
-                        kl = algo.kl_penalty(lp, ref_lp[mb, :w], a.kl_type)
+                        kl = algo.kl_penalty(lp, ref_lp[mb, :t], a.kl_type)
                         kl_loss = algo.aggregate_loss(
                             kl, sub.mask, a.loss_agg, num_tokens=num_tokens, num_seqs=len(idx)
                         )
                         loss = loss + a.kl_coef * kl_loss
                         st["kl"] = float(algo.masked_mean(kl.detach(), sub.mask))
                     loss.backward()
-                    w = float(sub.mask.sum())
+                    n_tok = float(sub.mask.sum())
                     for k in ("clip_frac", "approx_kl", "kl"):
-                        stats[k] += st.get(k, 0.0) * w
+                        stats[k] += st.get(k, 0.0) * n_tok
                     stats["ratio_max"] = max(stats["ratio_max"], st["ratio_max"])
                     stats["pg_loss"] += st["pg_loss"]
-                    stats["tokens"] += w
+                    stats["tokens"] += n_tok
                 norms.append(self.opt.step())
         tok = max(stats["tokens"], 1.0)
         out.update(

@@ -91,8 +91,8 @@ _CASES = [(op, m, k, d, kind) for op in _KERNELS for (m, k) in INTERP_SHAPES for
 
 
 def _call(op: str, m: int, k: int, d: str, kind: str, rcp: bool, device="cpu"):
-    """(module, launcher, args, kwargs) of one kernel call on test data; the outputs' last entries are
-    the pre-cast fp32 buffer when on CPU."""
+    """(module, launcher, args, kwargs) of one kernel call on test data; on CPU the last argument is the
+    pre-cast fp32 buffer the kernel fills."""
     x = make_input(m, k, DTYPES[d], kind, seed=m + 3 * k, device=device)
     pre = [torch.empty((k, m) if op.startswith("transpose") else (m, k))] if device == "cpu" else []
     if op == "quantize_1x128":
