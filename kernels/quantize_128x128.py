@@ -29,7 +29,7 @@ import triton.language as tl
 from jetrl import quant
 from jetrl.recipe import BLOCK, DEFAULT_EPS, E4M3_MAX
 
-from ._runtime import check_matrix, count_nonfinite, e4m3_grid, e4m3_scale, groups, nonfinite_flag
+from ._runtime import abs_max, check_matrix, count_nonfinite, e4m3_grid, e4m3_scale, groups, nonfinite_flag
 
 __all__ = ["quantize_128x128", "torch_quantize_128x128", "launch_quantize_128x128"]
 
@@ -56,26 +56,27 @@ def _quantize_128x128_kernel(
     CHUNK_N: tl.constexpr,
     WITH_T: tl.constexpr,
     STORE_PRECAST: tl.constexpr,
+    RCP: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_k = pid_k * BLOCK + tl.arange(0, BLOCK)
     mask_k = offs_k < K
 
-    # pass 1: amax of the block, CHUNK_N rows at a time (padding lanes read 0); count non-finite
+    # pass 1: amax of the block, CHUNK_N rows at a time (padding lanes read 0), NaN-propagating so
+    # that it also carries the non-finite test; CHUNK_N == BLOCK keeps the block in registers
     amax = tl.zeros([CHUNK_N], dtype=tl.float32)
-    n_bad = tl.full([], 0, tl.int32)
+    w = tl.zeros([CHUNK_N, BLOCK], dtype=tl.float32)
     for c in range(0, BLOCK, CHUNK_N):
         offs_n = pid_n * BLOCK + c + tl.arange(0, CHUNK_N)
         mask = (offs_n[:, None] < N) & mask_k[None, :]
         w = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0.0)
         w = w.to(tl.float32)
-        amax = tl.maximum(amax, tl.max(tl.abs(w), axis=1))
-        n_bad += count_nonfinite(w)
-    tl.store(flag_ptr + flag_slot, 1, mask=n_bad > 0)
+        amax = tl.maximum(amax, abs_max(w, 1), propagate_nan=tl.PropagateNan.ALL)
+    tl.store(flag_ptr + flag_slot, 1, mask=count_nonfinite(amax) > 0)
 
     # one scale per block, correctly rounded
-    s = e4m3_scale(tl.max(amax, axis=0), EPS, FP8_MAX)
+    s = e4m3_scale(abs_max(amax, 0), EPS, FP8_MAX)
     tl.store(s_ptr + pid_n * KB + pid_k, s)
     if WITH_T:
         tl.store(st_ptr + pid_k * NB + pid_n, s)
@@ -85,8 +86,9 @@ def _quantize_128x128_kernel(
         offs_n = pid_n * BLOCK + c + tl.arange(0, CHUNK_N)
         mask = (offs_n[:, None] < N) & mask_k[None, :]
         rows = offs_n.to(tl.int64)[:, None]
-        w = tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-        y = e4m3_grid(w, tl.full([CHUNK_N, BLOCK], 1.0, tl.float32) * s, FP8_MAX, False)
+        if CHUNK_N < BLOCK:
+            w = tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = e4m3_grid(w, s, FP8_MAX, RCP)
         tl.store(q_ptr + rows * K + offs_k[None, :], y.to(tl.float8e4nv), mask=mask)
         if STORE_PRECAST:
             tl.store(pre_ptr + rows * K + offs_k[None, :], y, mask=mask)
@@ -107,8 +109,9 @@ def launch_quantize_128x128(
     with_transpose: bool = False,
     name: str = "w",
     precast: torch.Tensor | None = None,
-    num_warps: int = 4,
-    chunk_n: int = 32,
+    num_warps: int = 16,
+    chunk_n: int = 128,
+    rcp: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """Run the Triton kernel.
 
@@ -116,6 +119,8 @@ def launch_quantize_128x128(
     Output: q float8_e4m3fn ``[N, K]`` contiguous; with_transpose: also q_t ``[K, N]`` contiguous (= q.t()).
     scales: fp32 ``[ceil(N/128), ceil(K/128)]`` contiguous; with_transpose: also s_t ``[ceil(K/128), ceil(N/128)]``.
     ``precast`` (tests only): fp32 ``[N, K]`` contiguous buffer receiving the clamped ``w / s`` before the cast.
+    Tuning options (same bytes either way): ``num_warps``, ``chunk_n`` (rows per pass-1 load; 128 keeps
+    the whole block in registers, one read), ``rcp`` (divide through the block's reciprocal).
     """
     check_matrix(w, name, OP)
     n, k = w.shape
@@ -148,6 +153,7 @@ def launch_quantize_128x128(
             FP8_MAX=E4M3_MAX,
             BLOCK=BLOCK,
             CHUNK_N=chunk_n,
+            RCP=bool(rcp),
             WITH_T=with_transpose,
             STORE_PRECAST=precast is not None,
             num_warps=num_warps,

@@ -25,6 +25,7 @@ from jetrl.recipe import BLOCK, DEFAULT_EPS, E4M3_MAX
 
 from ._runtime import (
     SCALE_LAYOUTS,
+    abs_max,
     check_matrix,
     count_nonfinite,
     e4m3_grid,
@@ -50,6 +51,7 @@ def _quantize_1x128_kernel(
     flag_slot,
     M,
     K,
+    G,
     stride_xm,
     stride_qm,
     stride_sm,
@@ -58,27 +60,33 @@ def _quantize_1x128_kernel(
     FP8_MAX: tl.constexpr,
     BLOCK_M: tl.constexpr,
     GROUP: tl.constexpr,
+    G_FASTEST: tl.constexpr,
     STORE_PRECAST: tl.constexpr,
     RCP: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_g = tl.program_id(1)
+    # 1-D grid over [BLOCK_M, 128] tiles; G_FASTEST walks a band of rows group by group (the tiles
+    # in flight at once cover whole contiguous rows), else each group column top to bottom
+    pid = tl.program_id(0)
+    if G_FASTEST:
+        pid_g = pid % G
+        pid_m = pid // G
+    else:
+        n_m = tl.cdiv(M, BLOCK_M)
+        pid_m = pid % n_m
+        pid_g = pid // n_m
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = pid_g * GROUP + tl.arange(0, GROUP)
     mask_m = offs_m < M
     mask = mask_m[:, None] & (offs_k[None, :] < K)
     rows = offs_m.to(tl.int64)[:, None]
 
-    # load one group of BLOCK_M rows; padding lanes read as 0 and cannot raise the amax
+    # load one group of BLOCK_M rows; padding lanes read 0 and cannot raise the amax
     x = tl.load(x_ptr + rows * stride_xm + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-    ax = tl.abs(x)
 
-    # non-finite detection: exponent bits all ones; one predicated store per program
-    n_bad = count_nonfinite(x)
-    tl.store(flag_ptr + flag_slot, 1, mask=n_bad > 0)
-
-    # scale per group: max(amax, eps) / 448, correctly rounded
-    amax = tl.max(ax, axis=1)
+    # scale per group: max(amax, eps) / 448, correctly rounded; the NaN-propagating amax also
+    # carries the non-finite test (one predicated store per program)
+    amax = abs_max(x, 1)
+    tl.store(flag_ptr + flag_slot, 1, mask=count_nonfinite(amax) > 0)
     s = e4m3_scale(amax, EPS, FP8_MAX)
 
     # quantize: true division, clamp, then the RNE cast
@@ -94,9 +102,10 @@ def launch_quantize_1x128(
     scale_layout: str = "row",
     name: str = "x",
     precast: torch.Tensor | None = None,
-    block_m: int = 32,
+    block_m: int = 64,
     num_warps: int = 4,
-    rcp: bool = False,
+    rcp: bool = True,
+    g_fastest: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the Triton kernel.
 
@@ -105,7 +114,9 @@ def launch_quantize_1x128(
     scales: fp32 ``[M, ceil(K/128)]``; strides ``(G, 1)`` for ``"row"``, ``(1, align(M, 4))`` for ``"deepgemm"``.
     ``precast`` (tests only): an fp32 ``[M, K]`` contiguous buffer that receives the clamped ``x / s``
     values before the e4m3 cast, so a harness can apply a known-correct cast.
-    ``rcp``: divide through the per-group reciprocal (`_runtime.e4m3_grid`; same bytes), a tuning option.
+    Tuning options (same bytes either way; defaults are the fastest of ``bench_kernels.py --sweep`` on
+    the H200): ``block_m``, ``num_warps``, ``rcp`` (divide through the per-group reciprocal,
+    `_runtime.e4m3_grid`), ``g_fastest`` (program order along the groups of a row band first).
     """
     check_matrix(x, name, OP)
     assert scale_layout in SCALE_LAYOUTS, f"{OP}: scale_layout={scale_layout!r}, choose one of {SCALE_LAYOUTS}"
@@ -120,8 +131,7 @@ def launch_quantize_1x128(
     if x.numel() == 0:
         return q, s
     flag, slot = nonfinite_flag(OP, name, x.device)
-    grid = (triton.cdiv(m, block_m), g)
-    _quantize_1x128_kernel[grid](
+    _quantize_1x128_kernel[(triton.cdiv(m, block_m) * g,)](
         x,
         q,
         s,
@@ -130,6 +140,7 @@ def launch_quantize_1x128(
         slot,
         m,
         k,
+        g,
         x.stride(0),
         q.stride(0),
         s.stride(0),
@@ -138,6 +149,7 @@ def launch_quantize_1x128(
         FP8_MAX=E4M3_MAX,
         BLOCK_M=block_m,
         GROUP=BLOCK,
+        G_FASTEST=bool(g_fastest),
         STORE_PRECAST=precast is not None,
         RCP=bool(rcp),
         num_warps=num_warps,

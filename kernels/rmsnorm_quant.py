@@ -24,8 +24,8 @@ and writes one partial row; the partials are summed in fp32 by torch.
 The forward holds rows of up to 4096 in registers (``BLOCK_K = next_pow2(K)``, several rows per
 program when K is small); longer rows go in two passes over 4096-wide chunks (sum of squares, then
 normalize + quantize re-reading the chunk from L2), since a 16384-lane register row (K = 14336)
-measured only 1.4 TB/s on the H200. A tile is viewed as ``[rows, BLOCK_K/128, 128]`` for the
-per-group amax.
+measured at most 2.7 TB/s on the H200 (the chunks 3.1). A tile is loaded as ``[rows, BLOCK_K/128,
+128]`` so the per-group amax is a reduction along its last axis (no reshape of a loaded row).
 
 `rmsnorm_quant` is registered with autograd: the gradient of y flows to x and weight through
 `rmsnorm_backward`; q, s and rstd are not differentiable.
@@ -42,6 +42,7 @@ from jetrl.recipe import BLOCK, DEFAULT_EPS, E4M3_MAX
 
 from ._runtime import (
     SCALE_LAYOUTS,
+    abs_max,
     check_matrix,
     count_nonfinite,
     e4m3_grid,
@@ -71,8 +72,10 @@ def _norm_quant_chunk(
     w,
     rstd,
     rows,
+    cols,
+    mask,
     offs_m,
-    offs_k,
+    offs_g,
     mask_m,
     K,
     y_ptr,
@@ -83,34 +86,29 @@ def _norm_quant_chunk(
     stride_sg,
     EPS: tl.constexpr,
     FP8_MAX: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
     GROUP: tl.constexpr,
     STORE_PRECAST: tl.constexpr,
     RCP: tl.constexpr,
 ):
-    # y = weight * (x * rstd).to(x.dtype), computed in fp32 and stored in x.dtype
-    mask = mask_m[:, None] & (offs_k[None, :] < K)
+    # a [BLOCK_M rows, BLOCK_G groups, 128] tile: y = weight * (x * rstd).to(x.dtype), computed in
+    # fp32 and stored in x.dtype
     x = x_raw.to(tl.float32)
-    n = (x * rstd[:, None]).to(x_raw.dtype).to(tl.float32)
-    y = (w[None, :] * n).to(x_raw.dtype)
-    tl.store(y_ptr + rows * K + offs_k[None, :], y, mask=mask)
+    n = (x * rstd[:, None, None]).to(x_raw.dtype).to(tl.float32)
+    y = (w[None, :, :] * n).to(x_raw.dtype)
+    tl.store(y_ptr + rows * K + cols, y, mask=mask)
     yf = y.to(tl.float32)
 
-    # 1x128 quantization of the stored y: per-group amax over a [BLOCK_M, BLOCK_K/128, 128] view
-    y3 = tl.reshape(yf, [BLOCK_M, BLOCK_K // GROUP, GROUP])
-    amax = tl.max(tl.abs(y3), axis=2)
+    # 1x128 quantization of the stored y: the amax of each group is a reduction along the last axis
+    # (NaN-propagating: it carries the non-finite test; NaN/Inf in x always reach y through rstd)
+    amax = abs_max(yf, 2)
     s = e4m3_scale(amax, EPS, FP8_MAX)
-    qv = e4m3_grid(y3, s[:, :, None], FP8_MAX, RCP)
-    qv = tl.reshape(qv, [BLOCK_M, BLOCK_K])
-    tl.store(q_ptr + rows * K + offs_k[None, :], qv.to(tl.float8e4nv), mask=mask)
-    offs_g = tl.min(offs_k, axis=0) // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    qv = e4m3_grid(yf, s[:, :, None], FP8_MAX, RCP)
+    tl.store(q_ptr + rows * K + cols, qv.to(tl.float8e4nv), mask=mask)
     s_mask = mask_m[:, None] & (offs_g[None, :] * GROUP < K)
     tl.store(s_ptr + offs_m[:, None] * stride_sm + offs_g[None, :] * stride_sg, s, mask=s_mask)
     if STORE_PRECAST:
-        tl.store(pre_ptr + rows * K + offs_k[None, :], qv, mask=mask)
-    # non-finite detection on the input and on what gets quantized
-    return count_nonfinite(x) + count_nonfinite(yf)
+        tl.store(pre_ptr + rows * K + cols, qv, mask=mask)
+    return count_nonfinite(amax)
 
 
 @triton.jit
@@ -133,7 +131,7 @@ def _rmsnorm_quant_kernel(
     EPS: tl.constexpr,
     FP8_MAX: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_G: tl.constexpr,
     GROUP: tl.constexpr,
     SINGLE: tl.constexpr,
     STORE_PRECAST: tl.constexpr,
@@ -142,40 +140,45 @@ def _rmsnorm_quant_kernel(
     pid = tl.program_id(0)
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
-    rows = offs_m.to(tl.int64)[:, None]
+    rows = offs_m.to(tl.int64)[:, None, None]
+    offs_c = tl.arange(0, GROUP)
     if SINGLE:
-        # the whole row fits one BLOCK_K tile: one read, kept in registers
-        offs_k = tl.arange(0, BLOCK_K)
-        mask = mask_m[:, None] & (offs_k[None, :] < K)
-        x_raw = tl.load(x_ptr + rows * stride_xm + offs_k[None, :], mask=mask, other=0.0)
+        # the whole row fits one tile: one read, kept in registers
+        offs_g = tl.arange(0, BLOCK_G)
+        cols2 = offs_g[:, None] * GROUP + offs_c[None, :]
+        cols = cols2[None, :, :]
+        mask = mask_m[:, None, None] & (cols < K)
+        x_raw = tl.load(x_ptr + rows * stride_xm + cols, mask=mask, other=0.0)
         x = x_raw.to(tl.float32)
         # RMS statistics in fp32: var = sum(x^2) / K, rstd = rsqrt(var + eps)
-        var = tl.math.div_rn(tl.sum(x * x, axis=1), tl.full([BLOCK_M], K, tl.float32))
+        var = tl.math.div_rn(tl.sum(tl.sum(x * x, axis=2), axis=1), tl.full([BLOCK_M], K, tl.float32))
         rstd = tl.math.rsqrt(var + rms_eps)
-        w = tl.load(w_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols2, mask=cols2 < K, other=0.0).to(tl.float32)
         n_bad = _norm_quant_chunk(
-            x_raw, w, rstd, rows, offs_m, offs_k, mask_m, K, y_ptr, q_ptr, s_ptr, pre_ptr, stride_sm, stride_sg,
-            EPS, FP8_MAX, BLOCK_M, BLOCK_K, GROUP, STORE_PRECAST, RCP,
+            x_raw, w, rstd, rows, cols, mask, offs_m, offs_g, mask_m, K, y_ptr, q_ptr, s_ptr, pre_ptr,
+            stride_sm, stride_sg, EPS, FP8_MAX, GROUP, STORE_PRECAST, RCP,
         )  # fmt: skip
     else:
-        # long rows: pass 1 accumulates sum(x^2) over BLOCK_K chunks, pass 2 re-reads them (L2)
+        # long rows: pass 1 accumulates sum(x^2) over BLOCK_G-group chunks, pass 2 re-reads them (L2)
         acc = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for c in range(0, K, BLOCK_K):
-            offs_k = c + tl.arange(0, BLOCK_K)
-            mask = mask_m[:, None] & (offs_k[None, :] < K)
-            x = tl.load(x_ptr + rows * stride_xm + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
-            acc += tl.sum(x * x, axis=1)
+        for c in range(0, K, BLOCK_G * GROUP):
+            cols = (c + tl.arange(0, BLOCK_G)[:, None] * GROUP + offs_c[None, :])[None, :, :]
+            mask = mask_m[:, None, None] & (cols < K)
+            x = tl.load(x_ptr + rows * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+            acc += tl.sum(tl.sum(x * x, axis=2), axis=1)
         var = tl.math.div_rn(acc, tl.full([BLOCK_M], K, tl.float32))
         rstd = tl.math.rsqrt(var + rms_eps)
         n_bad = tl.full([], 0, tl.int32)
-        for c in range(0, K, BLOCK_K):
-            offs_k = c + tl.arange(0, BLOCK_K)
-            mask = mask_m[:, None] & (offs_k[None, :] < K)
-            x_raw = tl.load(x_ptr + rows * stride_xm + offs_k[None, :], mask=mask, other=0.0)
-            w = tl.load(w_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
+        for c in range(0, K, BLOCK_G * GROUP):
+            offs_g = c // GROUP + tl.arange(0, BLOCK_G)
+            cols2 = offs_g[:, None] * GROUP + offs_c[None, :]
+            cols = cols2[None, :, :]
+            mask = mask_m[:, None, None] & (cols < K)
+            x_raw = tl.load(x_ptr + rows * stride_xm + cols, mask=mask, other=0.0)
+            w = tl.load(w_ptr + cols2, mask=cols2 < K, other=0.0).to(tl.float32)
             n_bad += _norm_quant_chunk(
-                x_raw, w, rstd, rows, offs_m, offs_k, mask_m, K, y_ptr, q_ptr, s_ptr, pre_ptr, stride_sm, stride_sg,
-                EPS, FP8_MAX, BLOCK_M, BLOCK_K, GROUP, STORE_PRECAST, RCP,
+                x_raw, w, rstd, rows, cols, mask, offs_m, offs_g, mask_m, K, y_ptr, q_ptr, s_ptr, pre_ptr,
+                stride_sm, stride_sg, EPS, FP8_MAX, GROUP, STORE_PRECAST, RCP,
             )  # fmt: skip
     tl.store(rstd_ptr + offs_m, rstd, mask=mask_m)
     tl.store(flag_ptr + flag_slot, 1, mask=n_bad > 0)
@@ -222,14 +225,15 @@ def _rmsnorm_backward_kernel(
     tl.store(dw_part_ptr + pid.to(tl.int64) * K + offs_k, dw_acc, mask=mask_k)
 
 
-def _fwd_config(k: int) -> tuple[int, int, int, bool]:
-    """(BLOCK_M, BLOCK_K, num_warps, SINGLE): rows up to MAX_SINGLE_K stay in registers; longer rows
-    are processed in MAX_SINGLE_K chunks (a 16384-lane register row measured 1.4 TB/s on the H200)."""
+def _fwd_config(k: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_K, num_warps), the fastest of ``bench_kernels.py --sweep`` on the H200: rows up
+    to MAX_SINGLE_K stay in registers (4096-element tiles, 4 warps: 3.57 TB/s at K = 4096); longer
+    rows are processed in MAX_SINGLE_K chunks with 8 warps (a 16384-lane register row measured
+    1.4-2.7 TB/s at K = 14336, the chunks 3.1)."""
     if k <= MAX_SINGLE_K:
         block_k = max(BLOCK, triton.next_power_of_2(k))
-        block_m = max(1, 4096 // block_k)
-        return block_m, block_k, (8 if block_k * block_m >= 4096 else 4), True
-    return 1, MAX_SINGLE_K, 8, False
+        return max(1, MAX_SINGLE_K // block_k), block_k, 4
+    return 1, MAX_SINGLE_K, 8
 
 
 MAX_SINGLE_K = 4096
@@ -250,7 +254,9 @@ def launch_rmsnorm_quant(
     Output: y ``[M, K]`` x.dtype contiguous; q float8_e4m3fn ``[M, K]`` contiguous; rstd fp32 ``[M]``.
     scales: fp32 ``[M, ceil(K/128)]``, strides ``(G, 1)`` (``"row"``) or ``(1, align(M, 4))`` (``"deepgemm"``).
     ``precast`` (tests only): fp32 ``[M, K]`` buffer receiving the clamped ``y / s`` before the cast.
-    ``config``: launch overrides ``block_m``, ``block_k``, ``num_warps``, and ``rcp`` (divide through the
+    ``config``: launch overrides ``block_m``, ``block_k`` (a power of two >= 128: rows up to it stay in
+    registers, longer rows go in chunks of it), ``num_warps`` (these three change the fp32 reduction
+    order of the variance, so y may move by an ulp), and ``rcp`` (default on: divide through the
     per-group reciprocal, `_runtime.e4m3_grid`; same bytes).
     """
     check_matrix(x, name, OP)
@@ -270,12 +276,13 @@ def launch_rmsnorm_quant(
     assert not unknown, f"{OP}: unknown launch options {sorted(unknown)}; use block_m, block_k, num_warps, rcp"
     if x.numel() == 0:
         return y, q, s, rstd
-    block_m, block_k, num_warps, single = _fwd_config(k)
+    block_m, block_k, num_warps = _fwd_config(k)
     block_m = config.get("block_m", block_m)
     block_k = config.get("block_k", block_k)
     num_warps = config.get("num_warps", num_warps)
-    rcp = bool(config.get("rcp", False))
-    single = single and block_k >= k
+    rcp = bool(config.get("rcp", True))
+    assert block_k >= BLOCK and block_k & (block_k - 1) == 0, f"{OP}: block_k={block_k}: a power of two >= {BLOCK}"
+    single = block_k >= k
     flag, slot = nonfinite_flag(OP, name, dev)
     _rmsnorm_quant_kernel[(triton.cdiv(m, block_m),)](
         x,
@@ -296,7 +303,7 @@ def launch_rmsnorm_quant(
         EPS=DEFAULT_EPS,
         FP8_MAX=E4M3_MAX,
         BLOCK_M=block_m,
-        BLOCK_K=block_k,
+        BLOCK_G=block_k // BLOCK,
         GROUP=BLOCK,
         SINGLE=single,
         STORE_PRECAST=precast is not None,

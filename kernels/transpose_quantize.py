@@ -42,7 +42,7 @@ import triton.language as tl
 from jetrl import quant
 from jetrl.recipe import BLOCK, DEFAULT_EPS, E4M3_MAX
 
-from ._runtime import check_matrix, count_nonfinite, e4m3_grid, e4m3_scale, groups, nonfinite_flag
+from ._runtime import abs_max, check_matrix, count_nonfinite, e4m3_grid, e4m3_scale, groups, nonfinite_flag
 
 __all__ = [
     "transpose_quantize",
@@ -76,12 +76,22 @@ def _transpose_quantize_kernel(
     FP8_MAX: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    K_FASTEST: tl.constexpr,
+    TRANS: tl.constexpr,
     FROM_FP8: tl.constexpr,
     STORE_PRECAST: tl.constexpr,
     RCP: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    # 1-D grid over [128, BLOCK_K] tiles: K_FASTEST walks a 128-token band across K (reads of whole
+    # rows in flight), else each column strip down the tokens (writes of whole q_t rows in flight)
+    pid = tl.program_id(0)
+    if K_FASTEST:
+        n_k = tl.cdiv(K, BLOCK_K)
+        pid_k = pid % n_k
+        pid_m = pid // n_k
+    else:
+        pid_m = pid % GM
+        pid_k = pid // GM
     offs_m = pid_m * GROUP + tl.arange(0, GROUP)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask_k = offs_k < K
@@ -96,26 +106,29 @@ def _transpose_quantize_kernel(
         g_col = (pid_k * BLOCK_K) // GROUP
         xs = tl.load(xs_ptr + offs_m * stride_xsm + g_col * stride_xsg, mask=offs_m < M, other=0.0)
         x = x * xs[:, None]
-    ax = tl.abs(x)
 
-    # non-finite detection (exponent bits all ones)
-    n_bad = count_nonfinite(x)
-    tl.store(flag_ptr + flag_slot, 1, mask=n_bad > 0)
-
-    # one scale per column of the tile (a 128-token group of X^T's row k)
-    amax = tl.max(ax, axis=0)
-    s = e4m3_scale(amax, EPS, FP8_MAX)
-
-    # quantize: true division, clamp, RNE cast; store transposed at q_t[k, m]
-    y = e4m3_grid(x, s[None, :], FP8_MAX, RCP)
-    cols = offs_k.to(tl.int64)[None, :]
-    tl.store(qt_ptr + cols * M + offs_m[:, None], y.to(tl.float8e4nv), mask=mask)
+    # one scale per column of the tile (a 128-token group of X^T's row k); the NaN-propagating
+    # amax carries the non-finite test. Then: true division, clamp, RNE cast; store transposed at q_t[k, m]
+    if TRANS:
+        xt = tl.trans(x)
+        amax = abs_max(xt, 1)
+        s = e4m3_scale(amax, EPS, FP8_MAX)
+        y = e4m3_grid(xt, s[:, None], FP8_MAX, RCP)
+        dst = offs_k.to(tl.int64)[:, None] * M + offs_m[None, :]
+        mask = tl.trans(mask)
+    else:
+        amax = abs_max(x, 0)
+        s = e4m3_scale(amax, EPS, FP8_MAX)
+        y = e4m3_grid(x, s[None, :], FP8_MAX, RCP)
+        dst = offs_k.to(tl.int64)[None, :] * M + offs_m[:, None]
+    tl.store(flag_ptr + flag_slot, 1, mask=count_nonfinite(amax) > 0)
+    tl.store(qt_ptr + dst, y.to(tl.float8e4nv), mask=mask)
     tl.store(st_ptr + offs_k * GM + pid_m, s, mask=mask_k)
     if STORE_PRECAST:
-        tl.store(pre_ptr + cols * M + offs_m[:, None], y, mask=mask)
+        tl.store(pre_ptr + dst, y, mask=mask)
 
 
-def _launch(x, xs, name, op, precast, block_k=64, num_warps=4, rcp=False):
+def _launch(x, xs, name, op, precast, block_k=64, num_warps=2, rcp=True, k_fastest=False, trans=False):
     m, k = x.shape
     gm = groups(m)
     dev = x.device
@@ -129,7 +142,7 @@ def _launch(x, xs, name, op, precast, block_k=64, num_warps=4, rcp=False):
     if x.numel() == 0:
         return q_t, s_t
     flag, slot = nonfinite_flag(op, name, dev)
-    _transpose_quantize_kernel[(gm, triton.cdiv(k, block_k))](
+    _transpose_quantize_kernel[(gm * triton.cdiv(k, block_k),)](
         x,
         xs if xs is not None else x,
         q_t,
@@ -147,6 +160,8 @@ def _launch(x, xs, name, op, precast, block_k=64, num_warps=4, rcp=False):
         FP8_MAX=E4M3_MAX,
         GROUP=BLOCK,
         BLOCK_K=block_k,
+        K_FASTEST=bool(k_fastest),
+        TRANS=bool(trans),
         FROM_FP8=xs is not None,
         STORE_PRECAST=precast is not None,
         RCP=bool(rcp),
@@ -164,8 +179,10 @@ def launch_transpose_quantize(
     Output: q_t float8_e4m3fn ``[K, M]`` contiguous.
     scales: s_t fp32 ``[K, ceil(M/128)]`` contiguous (strides ``(ceil(M/128), 1)``).
     ``precast`` (tests only): fp32 ``[K, M]`` contiguous buffer receiving the clamped quotients.
-    ``config``: ``block_k`` (divides 128), ``num_warps``, ``rcp`` (per-group reciprocal division,
-    `_runtime.e4m3_grid`; same bytes).
+    ``config`` (tuning; same bytes either way; defaults are the fastest of ``bench_kernels.py --sweep``
+    on the H200): ``block_k`` (divides 128), ``num_warps``, ``rcp`` (per-group reciprocal division,
+    `_runtime.e4m3_grid`), ``k_fastest`` (program order), ``trans`` (transpose the tile in registers
+    before the reduction, so the amax runs along the stored axis).
     """
     check_matrix(x, name, OP)
     return _launch(x, None, name, OP, precast, **config)

@@ -85,7 +85,14 @@ def test_emulated_exactness_of_the_fma_correction():
 
 # ---------------------------------------------------------------- 2. the kernels, interpreted
 
-_KERNELS = ("quantize_1x128", "transpose_quantize", "transpose_requantize", "rmsnorm_quant", "swiglu_quant")
+_KERNELS = (
+    "quantize_1x128",
+    "quantize_128x128",
+    "transpose_quantize",
+    "transpose_requantize",
+    "rmsnorm_quant",
+    "swiglu_quant",
+)
 _CASES = [(op, m, k, d, kind) for op in _KERNELS for (m, k) in INTERP_SHAPES for d in ("bf16", "fp32")
           for kind in ("zero-group", "wide-range")]  # fmt: skip
 
@@ -97,6 +104,8 @@ def _call(op: str, m: int, k: int, d: str, kind: str, rcp: bool, device="cpu"):
     pre = [torch.empty((k, m) if op.startswith("transpose") else (m, k))] if device == "cpu" else []
     if op == "quantize_1x128":
         return "quantize_1x128", "launch_quantize_1x128", (x, "deepgemm", "t.x", *pre), {"rcp": rcp}
+    if op == "quantize_128x128":
+        return "quantize_128x128", "launch_quantize_128x128", (x, True, "t.w", *pre), {"rcp": rcp}
     if op == "transpose_quantize":
         return "transpose_quantize", "launch_transpose_quantize", (x, "t.x", *pre), {"rcp": rcp}
     if op == "transpose_requantize":
@@ -143,9 +152,9 @@ def test_gpu_rcp_equals_default(op, m, k):
 
     for d in DTYPES:
         for kind in ("randn", "zero-group", "wide-range"):
-            module, fn, args, kw = _call(op, m, k, d, kind, rcp=False, device="cuda")
+            module, fn, args, _ = _call(op, m, k, d, kind, rcp=False, device="cuda")
             launcher = getattr(importlib.import_module(f"jetrl.kernels.{module}"), fn)
-            base = launcher(*args)
+            base = launcher(*args, rcp=False)
             got = launcher(*args, rcp=True)
             for i, (b, r) in enumerate(zip(base, got, strict=True)):
                 assert_bitwise(f"{op} output {i}", r, b, f"{m=} {k=} {d} {kind}")

@@ -1,0 +1,155 @@
+"""Tuning options of the kernel launchers change speed, never a byte.
+
+`scripts/bench_kernels.py --sweep` picks the defaults by timing these options on the H200; whichever it
+picks must give the same outputs. Each case runs a launcher with its defaults and with the other
+values of its options (program order, tile shape, warps, the in-register transpose, a block held in
+registers): under the Triton interpreter on small hostile shapes (every output, and the bytes through
+a correct cast of the pre-cast values) and, on an sm_90 GPU, compiled, bit for bit, over shapes that
+mix real dims with partial groups. `rcp` has its own file (`test_rcp_division.py`).
+
+RMSNorm's ``block_m`` / ``block_k`` / ``num_warps`` are different: they change the fp32 reduction
+order of the variance, so y may move by an ulp. For them the test checks what the contract says:
+``(q, s)`` are bit-equal to `quantize_1x128` of the kernel's own y, and y is within ulps of HF.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+from kernels_cases import DTYPES, assert_bitwise, assert_close_ulps, e4m3_bytes_of, make_input, run_interpreted
+
+from jetrl import quant
+from jetrl.testing.numerics import has_sm90
+
+# (module, launcher, options to try against the defaults)
+_OPTIONS = {
+    "quantize_1x128": (
+        "launch_quantize_1x128",
+        [{"g_fastest": False}, {"block_m": 16, "num_warps": 8}, {"block_m": 128, "g_fastest": False}],
+    ),
+    "transpose_quantize": (
+        "launch_transpose_quantize",
+        [{"k_fastest": True}, {"trans": True}, {"block_k": 32, "num_warps": 4}, {"block_k": 128, "trans": True}],
+    ),
+    "transpose_requantize": ("launch_transpose_requantize", [{"k_fastest": True}, {"trans": True}]),
+    "quantize_128x128": ("launch_quantize_128x128", [{"chunk_n": 32, "num_warps": 8}, {"chunk_n": 16, "num_warps": 4}]),
+    "swiglu_quant": ("launch_swiglu_quant", [{"block_m": 8}, {"block_m": 64, "num_warps": 8}]),
+}
+_SHAPES_CPU = [(13, 300), (130, 257)]
+_SHAPES_GPU = [(4095, 5120), (257, 14336), (13, 200), (129, 1000)]
+
+
+def _args(op: str, m: int, k: int, d: str, device: str, precast: bool):
+    x = make_input(m, k, DTYPES[d], "wide-range", seed=m + k, device=device)
+    pre = [torch.empty((k, m) if op.startswith("transpose") else (m, k))] if precast else []
+    if op == "quantize_1x128":
+        return (x, "deepgemm", "t.x", *pre)
+    if op == "transpose_quantize":
+        return (x, "t.x", *pre)
+    if op == "transpose_requantize":
+        q, s = quant.quantize_1x128(x.cpu())
+        return (q.to(device), s.to(device), "t.x", *pre)
+    if op == "quantize_128x128":
+        return (x, True, "t.w", *pre)
+    up = make_input(m, k, DTYPES[d], "randn", seed=k, device=device)
+    return (x, up, "row", "t.h", *pre)
+
+
+def _module(op: str) -> str:
+    return "transpose_quantize" if op == "transpose_requantize" else op
+
+
+_CASES = [
+    (op, i, m, k, d)
+    for op, (_, opts) in _OPTIONS.items()
+    for i in range(len(opts))
+    for (m, k) in _SHAPES_CPU
+    for d in ("bf16", "fp32")
+]
+
+
+@pytest.fixture(scope="module")
+def interp_results():
+    calls = []
+    for op, i, m, k, d in _CASES:
+        fn, opts = _OPTIONS[op]
+        args = _args(op, m, k, d, "cpu", precast=True)
+        calls += [(_module(op), fn, args, {}), (_module(op), fn, args, opts[i])]
+    return run_interpreted(calls)
+
+
+@pytest.mark.parametrize("case", range(len(_CASES)), ids=["-".join(map(str, c)) for c in _CASES])
+def test_interpreter_option_changes_no_byte(interp_results, case):
+    op, i, m, k, d = _CASES[case]
+    base, got = interp_results[2 * case], interp_results[2 * case + 1]
+    ctx = f"{op} {_OPTIONS[op][1][i]} {m=} {k=} {d}"
+    assert base["nonfinite"] is None and got["nonfinite"] is None, ctx
+    assert_bitwise("bytes", e4m3_bytes_of(got["args"][-1]), e4m3_bytes_of(base["args"][-1]), ctx)
+    for j, (b, g) in enumerate(zip(base["out"], got["out"], strict=True)):
+        if b.dtype != torch.float8_e4m3fn:  # the interpreter's own fp8 cast is not trusted
+            assert_bitwise(f"output {j}", g, b, ctx)
+
+
+gpu = pytest.mark.skipif(not has_sm90(), reason="needs an sm_90 GPU to run the compiled Triton kernels")
+
+
+@gpu
+@pytest.mark.parametrize("op", list(_OPTIONS))
+@pytest.mark.parametrize("m,k", _SHAPES_GPU)
+def test_gpu_option_changes_no_byte(op, m, k):
+    fn, opts = _OPTIONS[op]
+    launcher = getattr(importlib.import_module(f"jetrl.kernels.{_module(op)}"), fn)
+    for d in DTYPES:
+        args = _args(op, m, k, d, "cuda", precast=False)
+        base = launcher(*args)
+        for opt in opts:
+            for j, (b, g) in enumerate(zip(base, launcher(*args, **opt), strict=True)):
+                assert_bitwise(f"{op} output {j}", g, b, f"{opt} {m=} {k=} {d}")
+
+
+_RMS_CONFIGS = [{"block_k": 128}, {"block_m": 2, "block_k": 256, "num_warps": 8}, {"block_k": 512, "num_warps": 2}]
+
+
+def _rms_check(x, w, out, ctx):
+    y, q, s, rstd = out
+    y_hf = (w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)).to(x.dtype)
+    assert_close_ulps("y", y.cpu(), y_hf.cpu(), 8.0 if x.dtype == torch.float32 else 3.0, ctx)
+    q_ref, s_ref = quant.quantize_1x128(y.cpu())
+    assert_bitwise("scales", s, s_ref, ctx)
+    return q_ref
+
+
+@pytest.fixture(scope="module")
+def rms_interp():
+    calls = []
+    for cfg in _RMS_CONFIGS:
+        for m, k in _SHAPES_CPU:
+            x = make_input(m, k, torch.float32, "randn", seed=k)
+            w = 1 + 0.1 * make_input(1, k, torch.float32, "randn", seed=1)[0]
+            calls.append(("rmsnorm_quant", "launch_rmsnorm_quant", (x, w, 1e-6, "row", "t.x", torch.empty(m, k)), cfg))
+    return run_interpreted(calls)
+
+
+@pytest.mark.parametrize("i", range(len(_RMS_CONFIGS) * len(_SHAPES_CPU)))
+def test_interpreter_rmsnorm_configs_keep_the_contract(rms_interp, i):
+    r = rms_interp[i]
+    x, w, *_, pre = r["args"]
+    ctx = f"{_RMS_CONFIGS[i // len(_SHAPES_CPU)]} {tuple(x.shape)}"
+    q_ref = _rms_check(x, w, r["out"], ctx)
+    assert_bitwise("bytes (ml_dtypes cast of pre-cast)", e4m3_bytes_of(pre), q_ref.view(torch.uint8), ctx)
+
+
+@gpu
+@pytest.mark.parametrize("m,k", _SHAPES_GPU)
+def test_gpu_rmsnorm_configs_keep_the_contract(m, k):
+    from jetrl.kernels.rmsnorm_quant import launch_rmsnorm_quant
+
+    for d, dtype in DTYPES.items():
+        x = make_input(m, k, dtype, "randn", seed=k, device="cuda")
+        w = (1 + 0.1 * make_input(1, k, torch.float32, "randn", seed=1)[0]).to(dtype).cuda()
+        for cfg in [{}, *_RMS_CONFIGS, {"block_k": 16384, "num_warps": 16}]:
+            out = launch_rmsnorm_quant(x, w, 1e-6, **cfg)
+            q_ref = _rms_check(x, w, out, f"{cfg} {m=} {k=} {d}")
+            assert_bitwise("bytes", out[1], q_ref, f"{cfg} {m=} {k=} {d}")
