@@ -5,8 +5,8 @@ For M in {4096, 16384} and K in {4096, 14336} (bf16 inputs) it times each kernel
 time, and prints a table with the device-to-device copy of an ``[M, K]`` bf16 tensor measured in the
 same run, the eager torch reference (`jetrl.kernels.torch_<op>`) and the goals of issue 3:
 quantize kernels and rmsnorm+quant >= 80% of copy (3.4 TB/s on an H200), transpose-quantize >=
-2.5 TB/s, swiglu+quant >= 75% of copy. ``--sweep`` also times a few launch configs per kernel at the
-largest shape (to pick defaults), each with and without ``rcp`` (the reciprocal division). Writes
+2.5 TB/s, swiglu+quant >= 75% of copy. ``--sweep`` also times launch configs per kernel at M=16384, K=4096
+and 14336 (to pick defaults; each config's outputs checked bit-equal to the default's). Writes
 ``kernels-<gpu>.json`` (GPU name, torch/triton versions, date, every row) to ``--out`` (default
 scripts/results/).
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import itertools
 import json
 import os
 import re
@@ -143,52 +144,82 @@ def _goal(kind: str, copy_gbps: float) -> tuple[float | None, str]:
     return None, "-"
 
 
-_SWEEP_BASE = {
-    "quantize_1x128[row]": [
-        dict(block_m=bm, num_warps=nw) for bm, nw in ((16, 4), (32, 4), (64, 4), (64, 8), (128, 8))
-    ],
-    "transpose_quantize": [dict(block_k=bk, num_warps=nw) for bk, nw in ((32, 4), (64, 4), (64, 8), (128, 8))],
-    "rmsnorm_quant": [dict(block_m=bm, num_warps=nw) for bm, nw in ((1, 8), (1, 16), (2, 16), (4, 16))],
-    "swiglu_quant": [dict(block_m=bm, num_warps=nw) for bm, nw in ((16, 4), (32, 4), (32, 8), (64, 8))],
-    "quantize_128x128[+T]": [dict(num_warps=nw) for nw in (4, 8, 16)],
-}
-RCP_KERNELS = ("quantize_1x128[row]", "transpose_quantize", "rmsnorm_quant", "swiglu_quant")
-# the default launch ({}) and every config, each also with rcp=True (division through the per-group
-# reciprocal, `jetrl.kernels._runtime.e4m3_grid`: same bytes, fewer instructions per element)
+def _grid(**axes) -> list[dict]:
+    """Every combination of the given option values, as launch-config dicts."""
+    return [dict(zip(axes, vals, strict=True)) for vals in itertools.product(*axes.values())]
+
+
+# configs timed beside the default launch ({}); every flag both ways (rcp: division through the
+# per-group reciprocal, `jetrl.kernels._runtime.e4m3_grid`; g_fastest / k_fastest: program order;
+# trans: transpose the tile in registers before the reduction; chunk_n=128: the block in registers)
 SWEEPS = {
-    name: [{}, {"rcp": True}, *configs, *(dict(c, rcp=True) for c in configs)] if name in RCP_KERNELS else configs
-    for name, configs in _SWEEP_BASE.items()
+    "quantize_1x128[row]": _grid(block_m=(32, 64, 128), num_warps=(4, 8), rcp=(False, True), g_fastest=(False, True)),
+    "transpose_quantize": _grid(
+        block_k=(32, 64, 128), num_warps=(2, 4, 8), rcp=(False, True), k_fastest=(False, True), trans=(False, True)
+    ),
+    "transpose_requantize": _grid(block_k=(32, 64, 128), num_warps=(2, 4, 8), k_fastest=(False, True)),
+    "rmsnorm_quant": _grid(block_k=(2048, 4096, 16384), num_warps=(4, 8, 16), rcp=(False, True))
+    + _grid(block_m=(2, 4), block_k=(2048, 4096), num_warps=(8, 16), rcp=(False, True)),
+    "swiglu_quant": _grid(block_m=(8, 16, 32, 64), num_warps=(4, 8), rcp=(False, True)),
+    "quantize_128x128[+T]": _grid(num_warps=(4, 8, 16), chunk_n=(16, 32, 128), rcp=(False, True)),
 }
+SWEEP_SHAPES = ((16384, 4096), (16384, 14336))
 
 
-def _sweep(m: int, k: int) -> list[dict]:
+def _same(a, b) -> bool:
+    """Bitwise equality of two launcher outputs (tuples of tensors)."""
+    return all(
+        x.shape == y.shape and torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def _sweep(m: int, k: int, kernels: list[str]) -> list[dict]:
+    """Time the default and every config of `SWEEPS` at one shape; each config's outputs are compared
+    bit for bit with the default's (a tuning option must not change a byte)."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     gu = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
-    w = torch.ones(k, device="cuda", dtype=torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(k, device="cuda")).to(torch.bfloat16)
     mk, g, gm = m * k, ceil_div(k, 128), ceil_div(m, 128)
+    xq, xs = q1.launch_quantize_1x128(x)
     fns = {
         "quantize_1x128[row]": (3 * mk + 4 * m * g, lambda c: q1.launch_quantize_1x128(x, "row", **c)),
         "transpose_quantize": (3 * mk + 4 * k * gm, lambda c: tq.launch_transpose_quantize(x, **c)),
+        "transpose_requantize": (2 * mk + 4 * (m * g + k * gm), lambda c: tq.launch_transpose_requantize(xq, xs, **c)),
         "rmsnorm_quant": (5 * mk + 4 * m * g, lambda c: rq.launch_rmsnorm_quant(x, w, 1e-6, **c)),
         "swiglu_quant": (7 * mk + 4 * m * g, lambda c: sq.launch_swiglu_quant(gu[:, :k], gu[:, k:], **c)),
         "quantize_128x128[+T]": (4 * mk, lambda c: q128.launch_quantize_128x128(x, True, **c)),
     }
     rows = []
-    for name, configs in SWEEPS.items():
+    for name in kernels:
+        configs = SWEEPS[name]
         nbytes, fn = fns[name]
-        for c in configs:
-            ms = _time(lambda fn=fn, c=c: fn(c))
-            rows.append({"kernel": name, "M": m, "K": k, "config": c, "gbps": _gbps(nbytes, ms)})
-            print(f"sweep {name:24s} {m:6d} {k:6d} {json.dumps(c):36s} {_gbps(nbytes, ms):8.0f} GB/s")
+        ref = fn({})
+        for c in [{}, *configs]:
+            same = _same(fn(c), ref)
+            gbps = _gbps(nbytes, _time(lambda fn=fn, c=c: fn(c)))
+            rows.append({"kernel": name, "M": m, "K": k, "config": c, "gbps": gbps, "same_bytes": same})
+            print(f"sweep {name:24s} {m:6d} {k:6d} {json.dumps(c):64s} {gbps:8.0f} GB/s {'' if same else 'DIFFERS'}")
+        best = max((r for r in rows if r["kernel"] == name and r["same_bytes"]), key=lambda r: r["gbps"])
+        print(f"best  {name:24s} {m:6d} {k:6d} {json.dumps(best['config']):64s} {best['gbps']:8.0f} GB/s")
     return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    ap.add_argument("--sweep", action="store_true", help="also time a few launch configs at the largest shape")
+    ap.add_argument(
+        "--sweep",
+        nargs="?",
+        const=",".join(SWEEPS),
+        help="also time launch configs at M=16384, K=4096/14336 (all kernels, or a comma list of SWEEPS names)",
+    )
     ap.add_argument("--no-eager", action="store_true", help="skip the eager torch references")
     args = ap.parse_args()
+    sweep_kernels = args.sweep.split(",") if args.sweep else []
+    unknown = set(sweep_kernels) - set(SWEEPS)
+    if unknown:
+        raise SystemExit(f"--sweep: unknown kernels {sorted(unknown)}; choose from {list(SWEEPS)}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU (the Triton kernels are what is measured)")
     gpu = torch.cuda.get_device_name()
@@ -221,7 +252,7 @@ def main() -> None:
                 )
             torch.cuda.empty_cache()
     K.check_nonfinite()
-    sweep = _sweep(max(MS), max(KS)) if args.sweep else []
+    sweep = [r for m, k in SWEEP_SHAPES for r in _sweep(m, k, sweep_kernels)] if sweep_kernels else []
 
     print(f"\n{gpu} | torch {torch.__version__} | triton {triton.__version__}")
     hdr = f"{'kernel':26s} {'M':>6s} {'K':>6s} {'GB/s':>8s} {'%copy':>6s} {'copy':>7s} {'eager':>7s} {'goal':>22s} ok"
