@@ -61,6 +61,18 @@ def make_input(
     return x.to(dtype).to(device)
 
 
+def launcher(op: str) -> tuple[str, str]:
+    """(module, launcher name) of a kernel op: ``launch_<op>`` in ``jetrl.kernels.<module>``, where the
+    from-FP8 variant `transpose_requantize` lives beside `transpose_quantize`."""
+    return ("transpose_quantize" if op == "transpose_requantize" else op), f"launch_{op}"
+
+
+def launch(op: str, *args, **kwargs):
+    """Run ``launch_<op>`` (the compiled kernel on CUDA inputs)."""
+    module, fn = launcher(op)
+    return getattr(importlib.import_module(f"jetrl.kernels.{module}"), fn)(*args, **kwargs)
+
+
 def e4m3_bytes_of(pre: torch.Tensor) -> torch.Tensor:
     """A correct RNE cast of already-clamped fp32 values to e4m3 bytes (ml_dtypes, independent of torch)."""
     arr = pre.detach().cpu().numpy().astype(ml_dtypes.float8_e4m3fn)

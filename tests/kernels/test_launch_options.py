@@ -14,28 +14,34 @@ order of the variance, so y may move by an ulp. For them the test checks what th
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
-from kernels_cases import DTYPES, assert_bitwise, assert_close_ulps, e4m3_bytes_of, make_input, run_interpreted
+from kernels_cases import (
+    DTYPES,
+    assert_bitwise,
+    assert_close_ulps,
+    e4m3_bytes_of,
+    launch,
+    launcher,
+    make_input,
+    run_interpreted,
+)
 
 from jetrl import quant
 from jetrl.testing.numerics import has_sm90
 
-# (module, launcher, options to try against the defaults)
+# options to try against each launcher's defaults
 _OPTIONS = {
-    "quantize_1x128": (
-        "launch_quantize_1x128",
-        [{"g_fastest": False}, {"block_m": 16, "num_warps": 8}, {"block_m": 128, "g_fastest": False}],
-    ),
-    "transpose_quantize": (
-        "launch_transpose_quantize",
-        [{"k_fastest": True}, {"trans": True}, {"block_k": 32, "num_warps": 4}, {"block_k": 128, "trans": True}],
-    ),
-    "transpose_requantize": ("launch_transpose_requantize", [{"k_fastest": True}, {"trans": True}]),
-    "quantize_128x128": ("launch_quantize_128x128", [{"chunk_n": 32, "num_warps": 8}, {"chunk_n": 16, "num_warps": 4}]),
-    "swiglu_quant": ("launch_swiglu_quant", [{"block_m": 8}, {"block_m": 64, "num_warps": 8}]),
+    "quantize_1x128": [{"g_fastest": False}, {"block_m": 16, "num_warps": 8}, {"block_m": 128, "g_fastest": False}],
+    "transpose_quantize": [
+        {"k_fastest": True},
+        {"trans": True},
+        {"block_k": 32, "num_warps": 4},
+        {"block_k": 128, "trans": True},
+    ],
+    "transpose_requantize": [{"k_fastest": True}, {"trans": True}],
+    "quantize_128x128": [{"chunk_n": 32, "num_warps": 8}, {"chunk_n": 16, "num_warps": 4}],
+    "swiglu_quant": [{"block_m": 8}, {"block_m": 64, "num_warps": 8}],
 }
 _SHAPES_CPU = [(13, 300), (130, 257)]
 _SHAPES_GPU = [(4095, 5120), (257, 14336), (13, 200), (129, 1000)]
@@ -57,13 +63,9 @@ def _args(op: str, m: int, k: int, d: str, device: str, precast: bool):
     return (x, up, "row", "t.h", *pre)
 
 
-def _module(op: str) -> str:
-    return "transpose_quantize" if op == "transpose_requantize" else op
-
-
 _CASES = [
     (op, i, m, k, d)
-    for op, (_, opts) in _OPTIONS.items()
+    for op, opts in _OPTIONS.items()
     for i in range(len(opts))
     for (m, k) in _SHAPES_CPU
     for d in ("bf16", "fp32")
@@ -74,9 +76,9 @@ _CASES = [
 def interp_results():
     calls = []
     for op, i, m, k, d in _CASES:
-        fn, opts = _OPTIONS[op]
+        opts = _OPTIONS[op]
         args = _args(op, m, k, d, "cpu", precast=True)
-        calls += [(_module(op), fn, args, {}), (_module(op), fn, args, opts[i])]
+        calls += [(*launcher(op), args, {}), (*launcher(op), args, opts[i])]
     return run_interpreted(calls)
 
 
@@ -84,7 +86,7 @@ def interp_results():
 def test_interpreter_option_changes_no_byte(interp_results, case):
     op, i, m, k, d = _CASES[case]
     base, got = interp_results[2 * case], interp_results[2 * case + 1]
-    ctx = f"{op} {_OPTIONS[op][1][i]} {m=} {k=} {d}"
+    ctx = f"{op} {_OPTIONS[op][i]} {m=} {k=} {d}"
     assert base["nonfinite"] is None and got["nonfinite"] is None, ctx
     assert_bitwise("bytes", e4m3_bytes_of(got["args"][-1]), e4m3_bytes_of(base["args"][-1]), ctx)
     for j, (b, g) in enumerate(zip(base["out"], got["out"], strict=True)):
@@ -99,13 +101,11 @@ gpu = pytest.mark.skipif(not has_sm90(), reason="needs an sm_90 GPU to run the c
 @pytest.mark.parametrize("op", list(_OPTIONS))
 @pytest.mark.parametrize("m,k", _SHAPES_GPU)
 def test_gpu_option_changes_no_byte(op, m, k):
-    fn, opts = _OPTIONS[op]
-    launcher = getattr(importlib.import_module(f"jetrl.kernels.{_module(op)}"), fn)
     for d in DTYPES:
         args = _args(op, m, k, d, "cuda", precast=False)
-        base = launcher(*args)
-        for opt in opts:
-            for j, (b, g) in enumerate(zip(base, launcher(*args, **opt), strict=True)):
+        base = launch(op, *args)
+        for opt in _OPTIONS[op]:
+            for j, (b, g) in enumerate(zip(base, launch(op, *args, **opt), strict=True)):
                 assert_bitwise(f"{op} output {j}", g, b, f"{opt} {m=} {k=} {d}")
 
 

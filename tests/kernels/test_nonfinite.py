@@ -11,11 +11,9 @@ activation. Each case must raise `NonFiniteError` naming the op and the tensor; 
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
-from kernels_cases import run_interpreted
+from kernels_cases import launch, launcher, run_interpreted
 
 from jetrl import quant
 from jetrl.testing.numerics import has_sm90
@@ -66,11 +64,6 @@ CASES += ["rmsnorm_quant:weight-nan", "transpose_requantize:scale-inf"]
 CASES += [f"swiglu_quant:{v}" for v in ("gate+inf", "gate-inf", "gate-nan", "up+inf-gate0", "up-nan")]
 
 
-def _launcher(case: str) -> tuple[str, str]:
-    kernel = case.split(":")[0]
-    return ("transpose_quantize" if kernel == "transpose_requantize" else kernel), f"launch_{kernel}"
-
-
 def _finite_hostile(d):
     x = torch.randn(13, 300)
     x[0, :5] = torch.tensor([3e38, -3e38, 1e-38, -1e-45, 0.0])
@@ -79,7 +72,7 @@ def _finite_hostile(d):
 
 @pytest.fixture(scope="module")
 def interp_results():
-    calls = [(*_launcher(c), _args(c, "cpu"), {}) for c in CASES]
+    calls = [(*launcher(c.split(":")[0]), _args(c, "cpu"), {}) for c in CASES]
     calls.append(("quantize_1x128", "launch_quantize_1x128", _finite_hostile("cpu"), {}))
     return run_interpreted(calls)
 
@@ -101,11 +94,10 @@ def test_gpu_flags_nonfinite(i):
     import jetrl.kernels as K
     from jetrl.kernels.quantize_1x128 import launch_quantize_1x128
 
-    op = "jetrl::" + CASES[i].split(":")[0]
-    module, fn = _launcher(CASES[i])
+    kernel = CASES[i].split(":")[0]
     K.reset_nonfinite()
-    getattr(importlib.import_module(f"jetrl.kernels.{module}"), fn)(*_args(CASES[i], "cuda"))
-    with pytest.raises(quant.NonFiniteError, match=rf"{op} on t\.in"):
+    launch(kernel, *_args(CASES[i], "cuda"))
+    with pytest.raises(quant.NonFiniteError, match=rf"jetrl::{kernel} on t\.in"):
         K.check_nonfinite()
     launch_quantize_1x128(*_finite_hostile("cuda"))
     K.check_nonfinite()  # finite extremes: no flag
