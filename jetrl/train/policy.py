@@ -54,13 +54,16 @@ class TokenBatch:
         idx = torch.as_tensor(idx, dtype=torch.long)
         return TokenBatch(*(getattr(self, f)[idx] for f in self.__dataclass_fields__))
 
-    def trim(self) -> TokenBatch:
+    def trim(self, width: int | None = None) -> TokenBatch:
         """The same rows cut to the width ``w`` of their longest sequence (``attention_mask.sum(1).max()``):
         input_ids and attention_mask ``[N, L] -> [N, w]``; targets, mask and rollout_logp
         ``[N, L-1] -> [N, w-1]``; response_len ``[N]`` unchanged. Padding is on the right, so every
         real token, mask entry and log-prob is kept; position ``t < w-1`` of the result is position
-        ``t`` of this batch (write results back with ``full[rows, :w-1] = part``)."""
-        w = int(self.attention_mask.sum(dim=1).max())
+        ``t`` of this batch (write results back with ``full[rows, :w-1] = part``).
+
+        ``width``: that longest length when the caller knows it from host-side lengths, which spares
+        reading it from the (device) mask: a device sync before every micro-batch's forward."""
+        w = int(self.attention_mask.sum(dim=1).max()) if width is None else width
         return TokenBatch(
             self.input_ids[:, :w],
             self.attention_mask[:, :w],

@@ -352,7 +352,7 @@ class Trainer:
         ref_lp = torch.zeros_like(batch.rollout_logp) if self.ref_model is not None else None
         with torch.no_grad():
             for mb in self._micro_batches(lengths, all_idx):
-                sub = batch.select(mb).trim()
+                sub = batch.select(mb).trim(max(lengths[i] for i in mb))
                 w = sub.mask.shape[1]
                 lp, e = forward_logprobs(self.model, sub, temperature=temp, with_entropy=True)
                 old_lp[mb, :w], ent[mb, :w] = lp, e
@@ -374,11 +374,12 @@ class Trainer:
                 idx = [gi * g + j for gi in sorted(groups) for j in range(g)]
                 num_tokens = float(batch.mask[idx].sum())
                 for mb in self._micro_batches(lengths, idx):
-                    sub = batch.select(mb).trim()
+                    width = max(lengths[i] for i in mb)  # host lengths: no device sync
+                    sub = batch.select(mb).trim(width)
                     t = sub.mask.shape[1]
                     n_micro += 1
-                    real_slots += sum(lengths[i] for i in mb)  # host lengths: no device sync
-                    padded_slots += len(mb) * max(lengths[i] for i in mb)  # the trimmed width
+                    real_slots += sum(lengths[i] for i in mb)
+                    padded_slots += len(mb) * width
                     lp, _ = forward_logprobs(self.model, sub, temperature=temp)
                     # denominators of the whole mini-batch: the micro-batch losses sum to its loss
                     loss, st = algo.policy_loss(

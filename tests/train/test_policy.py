@@ -92,6 +92,8 @@ def test_trim_keeps_every_real_token():
         assert torch.equal(t.mask.sum(1), sub.mask.sum(1)) and not sub.mask[:, w - 1 :].any()
         assert torch.equal(t.rollout_logp[t.mask.bool()], sub.rollout_logp[sub.mask.bool()])
         assert torch.equal(t.targets, t.input_ids[:, 1:])
+        # the width given from host lengths cuts the same
+        assert all(torch.equal(a, c) for a, c in zip(vars(sub.trim(w)).values(), vars(t).values(), strict=True))
     # a batch at full width is returned as is
     assert torch.equal(b.trim().input_ids, b.input_ids)
 
