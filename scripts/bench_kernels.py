@@ -174,9 +174,21 @@ def _same(a, b) -> bool:
     )
 
 
+def valid_config(name: str, out, ref) -> bool:
+    """Whether a config's outputs `out` are acceptable beside the default's `ref`: bit-equal (a tuning
+    option must not change a byte), except RMSNorm's block/warps settings, which may move y by an ulp
+    (the variance's reduction order): there the contract is checked, (q, s) = quantize_1x128 of its own y."""
+    if _same(out, ref):
+        return True
+    if name == "rmsnorm_quant":
+        y, q, s, _ = out
+        return _same((q, s), K.quantize_1x128(y))
+    return False
+
+
 def _sweep(m: int, k: int, kernels: list[str]) -> list[dict]:
-    """Time the default and every config of `SWEEPS` at one shape; each config's outputs are compared
-    bit for bit with the default's (a tuning option must not change a byte)."""
+    """Time the default and every config of `SWEEPS` at one shape; each config's outputs are checked
+    against the default's (`valid_config`), the best valid config printed."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     gu = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
     w = (1 + 0.1 * torch.randn(k, device="cuda")).to(torch.bfloat16)
@@ -196,11 +208,13 @@ def _sweep(m: int, k: int, kernels: list[str]) -> list[dict]:
         nbytes, fn = fns[name]
         ref = fn({})
         for c in [{}, *configs]:
-            same = _same(fn(c), ref)
+            out = fn(c)
+            same, valid = _same(out, ref), valid_config(name, out, ref)
             gbps = _gbps(nbytes, _time(lambda fn=fn, c=c: fn(c)))
-            rows.append({"kernel": name, "M": m, "K": k, "config": c, "gbps": gbps, "same_bytes": same})
-            print(f"sweep {name:24s} {m:6d} {k:6d} {json.dumps(c):64s} {gbps:8.0f} GB/s {'' if same else 'DIFFERS'}")
-        best = max((r for r in rows if r["kernel"] == name and r["same_bytes"]), key=lambda r: r["gbps"])
+            rows.append({"kernel": name, "M": m, "K": k, "config": c, "gbps": gbps, "same_bytes": same, "valid": valid})
+            flag = "" if same else "y differs by reduction order" if valid else "INVALID"
+            print(f"sweep {name:24s} {m:6d} {k:6d} {json.dumps(c):64s} {gbps:8.0f} GB/s {flag}")
+        best = max((r for r in rows if r["kernel"] == name and r["valid"]), key=lambda r: r["gbps"])
         print(f"best  {name:24s} {m:6d} {k:6d} {json.dumps(best['config']):64s} {best['gbps']:8.0f} GB/s")
     return rows
 
