@@ -100,9 +100,9 @@ class ModelConfig:
     """Install the fused FP8 producers (`jetrl.convert.convert_model` with ``fuse=True``): each decoder
     layer's RMSNorms feeding FP8 Linears become RMSNorm+quantize kernels (q/k/v and gate/up then share
     one quantization and one saved fp8 copy) and its SiLU MLP quantizes down_proj's input in the SwiGLU
-    kernel. Fewer launches and less activation memory: a Llama-8B-shaped decoder layer trains 1.27x /
-    1.35x faster than BF16 on an H200 at 8k / 16k tokens with them, 1.13x / 1.20x without
-    (scripts/results/linear-nvidia-h200.json). Needs an FP8-training recipe and ``numerics: hf``."""
+    kernel. Fewer launches and less activation memory: on an H200 a Llama-8B-shaped decoder layer
+    trains faster with them than without (`scripts/bench_linear.py`; figures in the README and
+    scripts/results/linear-nvidia-h200.json). Needs an FP8-training recipe and ``numerics: hf``."""
 
 
 @dataclass(frozen=True)

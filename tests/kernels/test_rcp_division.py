@@ -8,9 +8,11 @@ to an e4m3 zero of x's sign).
 1. The arithmetic, emulated exactly in numpy (products of fp32 values are exact in float64; sums
    that may not be are rounded to fp32 through round-to-odd), over every finite bf16 value and random
    fp32 values against scales ``RN(max(amax, eps) / 448)`` spanning the fp32 range.
-2. The kernels under the Triton interpreter (its ``fma`` rounds once): ``rcp=True`` against the
-   default of the same call, bytes (through a correct cast of the pre-cast values) and scales.
-3. On an sm_90 GPU, the compiled kernels bit for bit against the default over the GPU shapes.
+2. The kernels under the Triton interpreter (its ``fma`` rounds once): ``rcp=True`` against
+   ``rcp=False`` (the per-element ``div.rn``) of the same call, bytes (through a correct cast of the
+   pre-cast values) and scales.
+3. On an sm_90 GPU, the compiled kernels bit for bit, ``rcp=True`` against ``rcp=False``, over the
+   GPU shapes.
 """
 
 from __future__ import annotations
