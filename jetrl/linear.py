@@ -14,22 +14,25 @@ What is stored, and when it is computed:
   dtype: every in-place update (``optimizer.step()``, ``copy_``) bumps the version and invalidates
   it. Writes through ``weight.data`` bypass the version counter; call `invalidate_fp8_caches(model)`
   after them, or `invalidate_on_step(optimizer, model)` once to do it after every step.
-- X is quantized 1x128 in the forward and saved for backward as fp8 bytes + scales (half the bytes
-  of BF16) when ``recipe.save_activations_fp8``; wgrad then takes X^T by `transpose_requantize`
-  (dequantize, transpose, requantize along tokens). Otherwise the BF16 X is saved and quantized 128x1
-  directly.
+- X is quantized 1x128 in the forward. When ``recipe.save_activations_fp8`` (default), what is saved
+  for backward is wgrad's operand itself, X^T quantized 128x1 (along tokens) from the BF16 X, fp8
+  bytes + scales (half the bytes of BF16), made in the forward by `transpose_quantize`; so wgrad uses
+  exactly the spec's 128x1 operand (no dequantize-requantize round trip, see `transpose_requantize`
+  for what that would cost) and the backward reads no X. Otherwise the BF16 X is saved and quantized
+  128x1 in the backward.
 - dY arrives in BF16 (gradients between ops stay BF16); it is quantized 1x128 for dgrad and 128x1
-  for wgrad. dX leaves in X's dtype. dW is accumulated in fp32: into ``weight.main_grad`` in place
-  when that attribute exists (Megatron/verl style; ``weight.grad`` then stays None), else returned as
-  the weight's gradient in the weight's dtype.
+  for wgrad. dX leaves in X's dtype. dW is accumulated in fp32: into
+  ``weight.main_grad`` in place when that attribute exists (Megatron/verl style; ``weight.grad`` then
+  stays None), else returned as the weight's gradient in the weight's dtype.
 
 Pre-quantized inputs. A fused producer (RMSNorm + quantize, SwiGLU + quantize) computes the 1x128
 bytes of its output anyway; it hands them over with ``attach_quantized(y, q, s)``, which stores a
 `QuantizedActivation` on the output tensor ``y``. A JetFP8Linear receiving exactly that tensor
 (same object, same data pointer, same version counter, matching shape) uses the bytes instead of
 quantizing again; any in-place change of ``y`` or a different tensor makes it quantize afresh. The
-three projections reading one normed hidden state (q/k/v, gate/up) then share one quantization and
-one saved fp8 copy. The bytes are the same either way (the producer's quantizer is the reference's).
+three projections reading one normed hidden state (q/k/v, gate/up) then share one quantization, and
+one saved wgrad operand (`transpose_quantize` of ``y``, computed by the first of them and attached
+to ``y`` the same way). The bytes are the same either way (the producer's quantizer is the reference's).
 
 The two fused producers are here too: `JetRMSNormQuant` (replaces an HF RMSNorm whose output feeds
 FP8 Linears; `jetrl.kernels.rmsnorm_quant`) and `JetSwiGLUMLP` (replaces an HF gate/up/down MLP with
@@ -55,7 +58,7 @@ from torch import nn
 
 from jetrl.gemm import GemmBackend, fprop, get_backend
 from jetrl.gemm import quantize as gq
-from jetrl.gemm.quantize import quantize_1x128, quantize_128x128, transpose_quantize, transpose_requantize
+from jetrl.gemm.quantize import quantize_1x128, quantize_128x128, transpose_quantize
 from jetrl.recipe import Recipe, RecipeError
 
 __all__ = [
@@ -70,19 +73,25 @@ __all__ = [
 ]
 
 _ATTR = "_jetrl_fp8_activation"
+_ATTR_T = "_jetrl_fp8_activation_t"  # its wgrad operand (quantize_128x1), attached on first use
 
 
 @dataclass(frozen=True)
 class QuantizedActivation:
-    """The 1x128 quantization of a tensor, valid while the tensor is unchanged."""
+    """A quantization of a tensor (its 1x128 bytes, or its 128x1 wgrad operand), valid while the
+    tensor is unchanged."""
 
     q: torch.Tensor
-    """e4m3 [M, K] (M = numel / K)."""
+    """e4m3 [M, K] (M = numel / K); for the wgrad operand [K, M]."""
     s: torch.Tensor
-    """fp32 [M, ceil(K/128)], row or DeepGEMM layout."""
+    """fp32 [M, ceil(K/128)], row or DeepGEMM layout; for the wgrad operand [K, ceil(M/128)]."""
     data_ptr: int
     version: int
     shape: tuple[int, ...]
+
+    def describes(self, x: torch.Tensor) -> bool:
+        """Whether `x` is still the tensor these bytes were made from (same storage, version, shape)."""
+        return self.data_ptr == x.data_ptr() and self.version == x._version and self.shape == tuple(x.shape)
 
 
 def attach_quantized(y: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -97,9 +106,7 @@ def attach_quantized(y: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch
 def quantized_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The (q, s) attached to `x` if they still describe it, else None."""
     qa = getattr(x, _ATTR, None)
-    if qa is None:
-        return None
-    if qa.data_ptr != x.data_ptr() or qa.version != x._version or qa.shape != tuple(x.shape):
+    if qa is None or not qa.describes(x):
         return None
     return qa.q, qa.s
 
@@ -110,21 +117,27 @@ class _FP8LinearFn(torch.autograd.Function):
         be = module.backend
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
-        if pre is None:
-            xq, xs = quantize_1x128(x2, scale_layout=be.scale_layout, name=f"{module.layer_name}:input")
-        else:
+        xname = f"{module.layer_name}:input"
+        ctx.fp8_saved = module.recipe.save_activations_fp8
+        wgrad = ctx.needs_input_grad[1]
+        saved: tuple = ()
+        if pre is not None:
             xq, xs = pre
+            if wgrad:
+                saved = _wgrad_operand_of(x, x2, xname) if ctx.fp8_saved else (x2,)
+        elif wgrad and ctx.fp8_saved:
+            # the fprop operand, and the wgrad operand (X^T quantized along tokens) saved instead of X
+            xq, xs = quantize_1x128(x2, scale_layout=be.scale_layout, name=xname)
+            saved = transpose_quantize(x2, name=xname)
+        else:
+            xq, xs = quantize_1x128(x2, scale_layout=be.scale_layout, name=xname)
+            saved = (x2,) if wgrad else ()
         wq, ws, wq_t, ws_t = module._fp8_operands(with_transpose=ctx.needs_input_grad[0])
-        y = fprop(xq, xs, wq, ws, bias, backend=be, out_dtype=x.dtype, name=f"{module.layer_name}:input")
+        y = fprop(xq, xs, wq, ws, bias, backend=be, out_dtype=x.dtype, name=xname)
         ctx.module = module
         ctx.grad_weight = grad_weight
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.fp8_saved = module.recipe.save_activations_fp8
-        if ctx.needs_input_grad[1]:
-            saved = (xq, xs) if ctx.fp8_saved else (x2,)
-        else:
-            saved = ()
         ctx.save_for_backward(*saved)
         ctx.w_t = (wq_t, ws_t)
         return y.reshape(*x.shape[:-1], wq.shape[0])
@@ -139,17 +152,17 @@ class _FP8LinearFn(torch.autograd.Function):
         if dy2.dtype != ctx.x_dtype:
             dy2 = dy2.to(ctx.x_dtype)
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dyq, dys = quantize_1x128(dy2, scale_layout=be.scale_layout, name=f"{nm}:grad_output")
+        dgrad, wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dname = f"{nm}:grad_output"
+        if dgrad:
+            dyq, dys = quantize_1x128(dy2, scale_layout=be.scale_layout, name=dname)
             wq_t, ws_t = ctx.w_t
             # Shapes: [M, N] @ [K, N]^T -> [M, K]
             dx = be.gemm(dyq, dys, wq_t, ws_t, role="dgrad", out_dtype=ctx.x_dtype).reshape(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            dyt_q, dyt_s = transpose_quantize(dy2, name=f"{nm}:grad_output")
+        if wgrad:
+            dyt_q, dyt_s = transpose_quantize(dy2, name=dname)
             if ctx.fp8_saved:
-                xq, xs = ctx.saved_tensors
-                # the requantize reads either scale layout as is (no row-major copy of DeepGEMM's layout)
-                xt_q, xt_s = transpose_requantize(xq, xs, name=f"{nm}:input")
+                xt_q, xt_s = ctx.saved_tensors
             else:
                 (x2,) = ctx.saved_tensors
                 xt_q, xt_s = transpose_quantize(x2, name=f"{nm}:input")
@@ -166,6 +179,17 @@ class _FP8LinearFn(torch.autograd.Function):
             db = dy2.float().sum(0).to(ctx.bias_dtype)
         ctx.w_t = None
         return dx, dw, db, None, None
+
+
+def _wgrad_operand_of(x: torch.Tensor, x2: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """X^T quantized along tokens for a pre-quantized input: computed once per tensor and attached to
+    it, so the Linears sharing one fused producer's output (q/k/v, gate/up) share one copy too."""
+    qt = getattr(x, _ATTR_T, None)
+    if qt is not None and qt.describes(x):
+        return qt.q, qt.s
+    q_t, s_t = transpose_quantize(x2, name=name)
+    setattr(x, _ATTR_T, QuantizedActivation(q_t, s_t, x.data_ptr(), x._version, tuple(x.shape)))
+    return q_t, s_t
 
 
 def _check_supported_training_specs(recipe: Recipe, layer_name: str) -> None:

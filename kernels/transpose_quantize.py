@@ -11,10 +11,11 @@ divides with ``tl.math.div_rn``, clamps, casts, and stores the tile transposed a
 (Triton stages the transposed store through shared memory, so the writes are 128-byte rows too).
 One read of X, one write of the bytes: no materialised ``X^T``.
 
-`transpose_requantize` starts instead from the 1x128-quantized activation saved for backward
-(``q [M, K]``, ``s [M, ceil(K/128)]``): it dequantizes in fp32 (``q * s``, the product
-`jetrl.quant.dequantize_1x128` computes), then proceeds as above. Saving only the FP8 activation
-halves activation memory, at the price of a second rounding — its EXTRA ERROR:
+`transpose_requantize` starts instead from a 1x128-quantized activation (``q [M, K]``,
+``s [M, ceil(K/128)]``), for a trainer that saved only those bytes: it dequantizes in fp32 (``q * s``,
+the product `jetrl.quant.dequantize_1x128` computes), then proceeds as above. jetrl's FP8 Linear does
+not use it: it saves wgrad's 128x1 operand itself, quantized from the BF16 X in the forward (the same
+memory), and so avoids the second rounding — the variant's EXTRA ERROR:
 
 - every value is rounded twice: first to the e4m3 grid of its row group (scale = row-group amax/448),
   then to the e4m3 grid of its column group (scale = column-group amax/448). e4m3 has 3 mantissa

@@ -4,7 +4,7 @@ Measures (median of CUDA-event timings after warm-up; DeepGEMM JIT-compiles each
 
 1. Linear fwd+bwd at Llama-8B shapes (qkv 6144x4096, o 4096x4096, gate_up 28672x4096, down 4096x14336)
    for 8192 and 16384 tokens: bf16 ``nn.Linear`` vs `JetFP8Linear` including every quantize and
-   transpose (X 1x128, dY 1x128 and 128x1, X^T requantize, W 128x128 + transpose re-done every
+   transpose (X and dY each 1x128 and 128x1, W 128x128 + transpose re-done every
    iteration, i.e. one micro-batch per optimizer step: the worst case; "cached W" reuses it).
    Per shape also the host "issue time" (perf_counter around the calls, no synchronisation inside:
    how long Python + dispatch take to enqueue one fwd+bwd), for the eager fast path (Triton launchers

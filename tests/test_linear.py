@@ -67,7 +67,7 @@ def _deq_reference(x, w, dy):
     dyq, dys = quant.quantize_1x128(dy)
     dx = quant.dequantize_1x128(dyq, dys).double() @ wd
     dyt = quant.dequantize_128x1(*quant.quantize_128x1(dy)).double()
-    xt = quant.dequantize_128x1(*quant.quantize_128x1(quant.dequantize_1x128(xq, xs))).double()  # X saved in fp8
+    xt = quant.dequantize_128x1(*quant.quantize_128x1(x)).double()  # the spec's 128x1 X (saved as such in fp8)
     dw = dyt.t() @ xt
     return y, dx, dw
 
@@ -206,8 +206,22 @@ def test_saved_activation_bytes(fp8_saved):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = layer(x)
     y.float().sum().backward()
-    want = 64 * 512 + 64 * 4 * 4 if fp8_saved else 64 * 512 * 2
+    # fp8: wgrad's operand X^T [512, 64] e4m3 + its scales [512, ceil(64/128)] fp32
+    want = 64 * 512 + 512 * 1 * 4 if fp8_saved else 64 * 512 * 2
     assert sum(nbytes) == want, f"{fp8_saved=} saved {sum(nbytes)} bytes, want {want}"
+
+
+def test_fp8_saved_wgrad_is_the_spec_operand():
+    """Saving the activation in fp8 changes no gradient bit: what is saved is wgrad's 128x1 operand
+    quantized from the BF16 X (the spec), not a requantization of the 1x128 bytes."""
+    grads = []
+    for fp8_saved in (True, False):
+        layer = _layer(384, 256, recipe=UNIFIED.replace(save_activations_fp8=fp8_saved))
+        x, dy = _inputs(200, 384, 256, seed=3)
+        x.requires_grad_(True)
+        layer(x).backward(dy)
+        grads.append((x.grad, layer.weight.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 
 def test_no_grad_forward_saves_and_transposes_nothing():
