@@ -157,7 +157,8 @@ class Recipe:
     master_dtype: str = "float32"
     """Dtype of master weights and optimizer state."""
     save_activations_fp8: bool = True
-    """Whether the Linear saves its input for backward as the fp8 bytes + scales (vs BF16)."""
+    """Whether the Linear saves its input for backward in fp8 (wgrad's 128x1 operand, bytes + scales,
+    quantized from the BF16 input in the forward) instead of the BF16 input itself."""
     fp8_param: bool = False
     """Store the primary weight as fp8 bytes + scales (fp32 masters in the optimizer path)."""
     keep_bf16: tuple[str, ...] = DEFAULT_KEEP_BF16
