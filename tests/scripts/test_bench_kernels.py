@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
+from scripts_cases import load_script
 
 import jetrl.kernels as K
-
-_PATH = Path(__file__).resolve().parents[2] / "scripts" / "bench_kernels.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_kernels_under_test", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("bench_kernels")
 
 
 def test_byte_kernels_need_every_byte(bench):
