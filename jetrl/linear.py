@@ -120,18 +120,12 @@ class _FP8LinearFn(torch.autograd.Function):
         xname = f"{module.layer_name}:input"
         ctx.fp8_saved = module.recipe.save_activations_fp8
         wgrad = ctx.needs_input_grad[1]
+        xq, xs = pre if pre is not None else quantize_1x128(x2, scale_layout=be.scale_layout, name=xname)
         saved: tuple = ()
-        if pre is not None:
-            xq, xs = pre
-            if wgrad:
-                saved = _wgrad_operand_of(x, x2, xname) if ctx.fp8_saved else (x2,)
-        elif wgrad and ctx.fp8_saved:
-            # the fprop operand, and the wgrad operand (X^T quantized along tokens) saved instead of X
-            xq, xs = quantize_1x128(x2, scale_layout=be.scale_layout, name=xname)
-            saved = transpose_quantize(x2, name=xname)
-        else:
-            xq, xs = quantize_1x128(x2, scale_layout=be.scale_layout, name=xname)
-            saved = (x2,) if wgrad else ()
+        if wgrad and not ctx.fp8_saved:
+            saved = (x2,)
+        elif wgrad:  # the wgrad operand (X^T quantized along tokens) is saved instead of X
+            saved = _wgrad_operand_of(x, x2, xname) if pre is not None else transpose_quantize(x2, name=xname)
         wq, ws, wq_t, ws_t = module._fp8_operands(with_transpose=ctx.needs_input_grad[0])
         y = fprop(xq, xs, wq, ws, bias, backend=be, out_dtype=x.dtype, name=xname)
         ctx.module = module

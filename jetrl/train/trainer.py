@@ -342,8 +342,9 @@ class Trainer:
             [s.response_logprobs for s in ro.samples],
             self.tokens.pad_id,
         )
+        # prompt + response tokens per row (the budget's unit), read on the host before the batch moves
+        lengths = batch.attention_mask.sum(dim=1).tolist()
         batch = TokenBatch(*(t.to(self.device) for t in vars(batch).values()))
-        lengths = batch.attention_mask.sum(dim=1).tolist()  # prompt + response tokens per row (the budget's unit)
         # [N, L-1]; a micro-batch trimmed to its longest sequence (w + 1 tokens) fills [mb, :w], the
         # positions beyond stay 0 (padding of those rows)
         old_lp = torch.zeros_like(batch.rollout_logp)
