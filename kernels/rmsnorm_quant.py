@@ -136,9 +136,6 @@ def _rmsnorm_quant_kernel(
     SINGLE: tl.constexpr,
     STORE_PRECAST: tl.constexpr,
     RCP: tl.constexpr,
-    N_CHUNKS: tl.constexpr,
-    UNROLL: tl.constexpr,
-    EVICT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -162,27 +159,22 @@ def _rmsnorm_quant_kernel(
             stride_sm, stride_sg, EPS, FP8_MAX, GROUP, STORE_PRECAST, RCP,
         )  # fmt: skip
     else:
-        # long rows: pass 1 accumulates sum(x^2) over BLOCK_G-group chunks, pass 2 re-reads them (L2).
-        # UNROLL: both loops unrolled (N_CHUNKS known), so pass 1 issues every chunk's load at once;
-        # EVICT: pass 1 asks L2 to keep the row (evict_last), pass 2 lets it go (evict_first). The
-        # chunks are summed in the same order either way (same bytes).
-        pass1: tl.constexpr = "evict_last" if EVICT else ""
-        pass2: tl.constexpr = "evict_first" if EVICT else ""
+        # long rows: pass 1 accumulates sum(x^2) over BLOCK_G-group chunks, pass 2 re-reads them (L2)
         acc = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for i in tl.range(0, N_CHUNKS, loop_unroll_factor=N_CHUNKS if UNROLL else 1):
-            cols = (i * BLOCK_G * GROUP + tl.arange(0, BLOCK_G)[:, None] * GROUP + offs_c[None, :])[None, :, :]
+        for c in range(0, K, BLOCK_G * GROUP):
+            cols = (c + tl.arange(0, BLOCK_G)[:, None] * GROUP + offs_c[None, :])[None, :, :]
             mask = mask_m[:, None, None] & (cols < K)
-            x = tl.load(x_ptr + rows * stride_xm + cols, mask=mask, other=0.0, eviction_policy=pass1)
-            acc += tl.sum(tl.sum(x.to(tl.float32) * x.to(tl.float32), axis=2), axis=1)
+            x = tl.load(x_ptr + rows * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+            acc += tl.sum(tl.sum(x * x, axis=2), axis=1)
         var = tl.math.div_rn(acc, tl.full([BLOCK_M], K, tl.float32))
         rstd = tl.math.rsqrt(var + rms_eps)
         n_bad = tl.full([], 0, tl.int32)
-        for i in tl.range(0, N_CHUNKS, loop_unroll_factor=N_CHUNKS if UNROLL else 1):
-            offs_g = i * BLOCK_G + tl.arange(0, BLOCK_G)
+        for c in range(0, K, BLOCK_G * GROUP):
+            offs_g = c // GROUP + tl.arange(0, BLOCK_G)
             cols2 = offs_g[:, None] * GROUP + offs_c[None, :]
             cols = cols2[None, :, :]
             mask = mask_m[:, None, None] & (cols < K)
-            x_raw = tl.load(x_ptr + rows * stride_xm + cols, mask=mask, other=0.0, eviction_policy=pass2)
+            x_raw = tl.load(x_ptr + rows * stride_xm + cols, mask=mask, other=0.0)
             w = tl.load(w_ptr + cols2, mask=cols2 < K, other=0.0).to(tl.float32)
             n_bad += _norm_quant_chunk(
                 x_raw, w, rstd, rows, cols, mask, offs_m, offs_g, mask_m, K, y_ptr, q_ptr, s_ptr, pre_ptr,
@@ -264,9 +256,8 @@ def launch_rmsnorm_quant(
     ``precast`` (tests only): fp32 ``[M, K]`` buffer receiving the clamped ``y / s`` before the cast.
     ``config``: launch overrides ``block_m``, ``block_k`` (a power of two >= 128: rows up to it stay in
     registers, longer rows go in chunks of it), ``num_warps`` (these three change the fp32 reduction
-    order of the variance, so y may move by an ulp), ``rcp`` (default on: divide through the
-    per-group reciprocal, `_runtime.e4m3_grid`; same bytes), and for chunked rows ``unroll`` (unroll
-    both chunk loops) and ``evict`` (L2 eviction hints: keep the row between the passes); same bytes.
+    order of the variance, so y may move by an ulp), and ``rcp`` (default on: divide through the
+    per-group reciprocal, `_runtime.e4m3_grid`; same bytes).
     """
     check_matrix(x, name, OP)
     _check_weight(weight, x, name)
@@ -281,10 +272,8 @@ def launch_rmsnorm_quant(
         assert precast.shape == (m, k) and precast.dtype == torch.float32 and precast.is_contiguous(), (
             f"{OP}: precast must be a contiguous float32 [{m}, {k}] buffer"
         )
-    unknown = set(config) - {"block_m", "block_k", "num_warps", "rcp", "unroll", "evict"}
-    assert not unknown, (
-        f"{OP}: unknown launch options {sorted(unknown)}; use block_m, block_k, num_warps, rcp, unroll, evict"
-    )
+    unknown = set(config) - {"block_m", "block_k", "num_warps", "rcp"}
+    assert not unknown, f"{OP}: unknown launch options {sorted(unknown)}; use block_m, block_k, num_warps, rcp"
     if x.numel() == 0:
         return y, q, s, rstd
     block_m, block_k, num_warps = _fwd_config(k)
@@ -319,9 +308,6 @@ def launch_rmsnorm_quant(
         SINGLE=single,
         STORE_PRECAST=precast is not None,
         RCP=rcp,
-        N_CHUNKS=triton.cdiv(k, block_k),
-        UNROLL=bool(config.get("unroll", False)),
-        EVICT=bool(config.get("evict", False)),
         num_warps=num_warps,
     )
     return y, q, s, rstd
