@@ -185,58 +185,6 @@ def _rmsnorm_quant_kernel(
 
 
 @triton.jit
-def _rmsnorm_quant_persistent_kernel(
-    x_ptr,
-    w_ptr,
-    y_ptr,
-    q_ptr,
-    s_ptr,
-    rstd_ptr,
-    pre_ptr,
-    flag_ptr,
-    flag_slot,
-    M,
-    K,
-    stride_xm,
-    stride_sm,
-    stride_sg,
-    rms_eps,
-    EPS: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    GROUP: tl.constexpr,
-    STORE_PRECAST: tl.constexpr,
-    RCP: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-):
-    # a fixed number of programs, each walking rows pid, pid + P, ...; the whole row is one
-    # [BLOCK_M, BLOCK_G, 128] tile (one read), and the loop is software-pipelined (NUM_STAGES): the
-    # next rows' load is in flight while this row is reduced, normalized, quantized and stored
-    offs_c = tl.arange(0, GROUP)
-    offs_g = tl.arange(0, BLOCK_G)
-    cols2 = offs_g[:, None] * GROUP + offs_c[None, :]
-    cols = cols2[None, :, :]
-    n_bad = tl.full([], 0, tl.int32)
-    for start in tl.range(tl.program_id(0) * BLOCK_M, M, tl.num_programs(0) * BLOCK_M, num_stages=NUM_STAGES):
-        offs_m = start + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < M
-        rows = offs_m.to(tl.int64)[:, None, None]
-        mask = mask_m[:, None, None] & (cols < K)
-        x_raw = tl.load(x_ptr + rows * stride_xm + cols, mask=mask, other=0.0)
-        x = x_raw.to(tl.float32)
-        var = tl.math.div_rn(tl.sum(tl.sum(x * x, axis=2), axis=1), tl.full([BLOCK_M], K, tl.float32))
-        rstd = tl.math.rsqrt(var + rms_eps)
-        w = tl.load(w_ptr + cols2, mask=cols2 < K, other=0.0).to(tl.float32)
-        n_bad += _norm_quant_chunk(
-            x_raw, w, rstd, rows, cols, mask, offs_m, offs_g, mask_m, K, y_ptr, q_ptr, s_ptr, pre_ptr,
-            stride_sm, stride_sg, EPS, FP8_MAX, GROUP, STORE_PRECAST, RCP,
-        )  # fmt: skip
-        tl.store(rstd_ptr + offs_m, rstd, mask=mask_m)
-    tl.store(flag_ptr + flag_slot, 1, mask=n_bad > 0)
-
-
-@triton.jit
 def _rmsnorm_backward_kernel(
     dy_ptr,
     x_ptr,
@@ -308,10 +256,8 @@ def launch_rmsnorm_quant(
     ``precast`` (tests only): fp32 ``[M, K]`` buffer receiving the clamped ``y / s`` before the cast.
     ``config``: launch overrides ``block_m``, ``block_k`` (a power of two >= 128: rows up to it stay in
     registers, longer rows go in chunks of it), ``num_warps`` (these three change the fp32 reduction
-    order of the variance, so y may move by an ulp), ``rcp`` (default on: divide through the
-    per-group reciprocal, `_runtime.e4m3_grid`; same bytes), ``persistent=P`` (P programs per SM, each
-    looping over rows with the whole row in one tile, ``block_k >= K``; the loop software-pipelined
-    with ``num_stages``, default 2).
+    order of the variance, so y may move by an ulp), and ``rcp`` (default on: divide through the
+    per-group reciprocal, `_runtime.e4m3_grid`; same bytes).
     """
     check_matrix(x, name, OP)
     _check_weight(weight, x, name)
@@ -326,15 +272,11 @@ def launch_rmsnorm_quant(
         assert precast.shape == (m, k) and precast.dtype == torch.float32 and precast.is_contiguous(), (
             f"{OP}: precast must be a contiguous float32 [{m}, {k}] buffer"
         )
-    known = {"block_m", "block_k", "num_warps", "rcp", "persistent", "num_stages"}
-    unknown = set(config) - known
-    assert not unknown, f"{OP}: unknown launch options {sorted(unknown)}; use {sorted(known)}"
+    unknown = set(config) - {"block_m", "block_k", "num_warps", "rcp"}
+    assert not unknown, f"{OP}: unknown launch options {sorted(unknown)}; use block_m, block_k, num_warps, rcp"
     if x.numel() == 0:
         return y, q, s, rstd
     block_m, block_k, num_warps = _fwd_config(k)
-    persistent = config.get("persistent", 0)
-    if persistent:  # the whole row in one tile
-        block_k = max(BLOCK, triton.next_power_of_2(k))
     block_m = config.get("block_m", block_m)
     block_k = config.get("block_k", block_k)
     num_warps = config.get("num_warps", num_warps)
@@ -342,23 +284,33 @@ def launch_rmsnorm_quant(
     assert block_k >= BLOCK and block_k & (block_k - 1) == 0, f"{OP}: block_k={block_k}: a power of two >= {BLOCK}"
     single = block_k >= k
     flag, slot = nonfinite_flag(OP, name, dev)
-    args = (x, weight, y, q, s, rstd, precast if precast is not None else q, flag, slot, m, k, x.stride(0))
-    args += (s.stride(0), s.stride(1), float(eps))
-    consts = dict(EPS=DEFAULT_EPS, FP8_MAX=E4M3_MAX, BLOCK_M=block_m, BLOCK_G=block_k // BLOCK, GROUP=BLOCK)
-    consts.update(STORE_PRECAST=precast is not None, RCP=rcp)
-    if persistent:
-        assert single, f"{OP}: persistent needs the whole row in one tile (block_k={block_k} < K={k})"
-        n_prog = min(triton.cdiv(m, block_m), persistent * _sm_count(dev))
-        _rmsnorm_quant_persistent_kernel[(n_prog,)](
-            *args, **consts, NUM_STAGES=config.get("num_stages", 2), num_warps=num_warps
-        )
-    else:
-        _rmsnorm_quant_kernel[(triton.cdiv(m, block_m),)](*args, **consts, SINGLE=single, num_warps=num_warps)
+    _rmsnorm_quant_kernel[(triton.cdiv(m, block_m),)](
+        x,
+        weight,
+        y,
+        q,
+        s,
+        rstd,
+        precast if precast is not None else q,
+        flag,
+        slot,
+        m,
+        k,
+        x.stride(0),
+        s.stride(0),
+        s.stride(1),
+        float(eps),
+        EPS=DEFAULT_EPS,
+        FP8_MAX=E4M3_MAX,
+        BLOCK_M=block_m,
+        BLOCK_G=block_k // BLOCK,
+        GROUP=BLOCK,
+        SINGLE=single,
+        STORE_PRECAST=precast is not None,
+        RCP=rcp,
+        num_warps=num_warps,
+    )
     return y, q, s, rstd
-
-
-def _sm_count(dev: torch.device) -> int:
-    return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
 
 
 def launch_rmsnorm_backward(
@@ -376,7 +328,8 @@ def launch_rmsnorm_backward(
     if x.numel() == 0:
         return dx, torch.zeros_like(weight)
     if num_programs is None:
-        num_programs = 4 * _sm_count(dev)
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if x.is_cuda else 4
+        num_programs = 4 * sms
     rows_per = triton.cdiv(m, min(num_programs, m))
     n_prog = triton.cdiv(m, rows_per)
     block_k = max(BLOCK, triton.next_power_of_2(k))

@@ -109,13 +109,7 @@ def test_gpu_option_changes_no_byte(op, m, k):
                 assert_bitwise(f"{op} output {j}", g, b, f"{opt} {m=} {k=} {d}")
 
 
-_RMS_CONFIGS = [
-    {"block_k": 128},
-    {"block_m": 2, "block_k": 256, "num_warps": 8},
-    {"block_k": 512, "num_warps": 2},
-    {"persistent": 1},  # whole rows; on CPU 4 programs (the stand-in SM count) walking all rows
-    {"block_m": 2, "persistent": 1, "num_stages": 3},
-]
+_RMS_CONFIGS = [{"block_k": 128}, {"block_m": 2, "block_k": 256, "num_warps": 8}, {"block_k": 512, "num_warps": 2}]
 
 
 def _rms_check(x, w, out, ctx):
@@ -155,8 +149,7 @@ def test_gpu_rmsnorm_configs_keep_the_contract(m, k):
     for d, dtype in DTYPES.items():
         x = make_input(m, k, dtype, "randn", seed=k, device="cuda")
         w = (1 + 0.1 * make_input(1, k, torch.float32, "randn", seed=1)[0]).to(dtype).cuda()
-        big = [{"block_k": 16384, "num_warps": 16}, {"block_k": 16384, "num_warps": 16, "persistent": 1}]
-        for cfg in [{}, *_RMS_CONFIGS, *big]:
+        for cfg in [{}, *_RMS_CONFIGS, {"block_k": 16384, "num_warps": 16}]:
             out = launch_rmsnorm_quant(x, w, 1e-6, **cfg)
             q_ref = _rms_check(x, w, out, f"{cfg} {m=} {k=} {d}")
             assert_bitwise("bytes", out[1], q_ref, f"{cfg} {m=} {k=} {d}")
