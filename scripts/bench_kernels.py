@@ -328,10 +328,14 @@ def _print_table(rows: list[dict]) -> None:
 
 
 def _shapes(text: str) -> list[tuple[int, int]]:
-    try:
-        return [tuple(int(v) for v in item.lower().split("x")) for item in text.split(",")]
-    except ValueError:
-        raise SystemExit(f"--sweep-shapes {text!r}: give MxK pairs separated by commas, e.g. 16384x4096") from None
+    """``"16384x4096,4096x14336"`` -> ``[(16384, 4096), (4096, 14336)]``."""
+    shapes = []
+    for item in text.split(","):
+        parts = item.lower().split("x")
+        if len(parts) != 2 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+            raise SystemExit(f"--sweep-shapes {text!r}: give MxK pairs separated by commas, e.g. 16384x4096")
+        shapes.append((int(parts[0]), int(parts[1])))
+    return shapes
 
 
 def main() -> None:

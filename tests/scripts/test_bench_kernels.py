@@ -33,3 +33,29 @@ def test_rmsnorm_may_move_y_but_must_quantize_its_own_y(bench):
     assert not bench.valid_config("quantize_1x128[row]", moved, ref)  # a byte kernel would be refused
     assert bench.valid_config("rmsnorm_quant", moved, ref)
     assert not bench.valid_config("rmsnorm_quant", (y2, ref[1], ref[2], ref[3]), ref)  # stale (q, s)
+
+
+def test_sweep_shapes_parse_and_refuse_garbage(bench):
+    assert bench._shapes("16384x4096,4096X14336") == [(16384, 4096), (4096, 14336)]
+    with pytest.raises(SystemExit, match="--sweep-shapes"):
+        bench._shapes("16384,4096")
+
+
+def test_sweep_grids_use_only_launcher_options(bench):
+    """Every swept option is one its launcher takes (a typo would fail on the GPU, minutes in)."""
+    import inspect
+
+    q1, q128, sq, tq = bench.q1, bench.q128, bench.sq, bench.tq  # the op modules, as the script loads them
+    takes = {
+        "quantize_1x128[row]": set(inspect.signature(q1.launch_quantize_1x128).parameters),
+        "transpose_quantize": set(inspect.signature(tq._launch).parameters),
+        "transpose_requantize": set(inspect.signature(tq._launch).parameters),
+        "rmsnorm_quant": {"block_m", "block_k", "num_warps", "rcp"},  # launch_rmsnorm_quant's **config
+        "swiglu_quant": set(inspect.signature(sq.launch_swiglu_quant).parameters),
+        "quantize_128x128": set(inspect.signature(q128.launch_quantize_128x128).parameters),
+        "quantize_128x128[+T]": set(inspect.signature(q128.launch_quantize_128x128).parameters),
+    }
+    assert set(bench.SWEEPS) == set(takes)
+    for name, configs in bench.SWEEPS.items():
+        for c in configs:
+            assert set(c) <= takes[name], (name, c)
