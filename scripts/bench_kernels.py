@@ -362,13 +362,14 @@ def main() -> None:
         raise SystemExit(f"--sweep: unknown kernels {sorted(unknown)}; choose from {list(SWEEPS)}")
     if args.sweep_only and not sweep_kernels:
         raise SystemExit("--sweep-only needs --sweep")
+    sweep_shapes = _shapes(args.sweep_shapes) if sweep_kernels else []
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU (the Triton kernels are what is measured)")
     gpu = torch.cuda.get_device_name()
     now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     rows = [] if args.sweep_only else _table(args.no_eager)
     K.check_nonfinite()
-    sweep = [r for m, k in _shapes(args.sweep_shapes) for r in _sweep(m, k, sweep_kernels)]
+    sweep = [r for m, k in sweep_shapes for r in _sweep(m, k, sweep_kernels)]
 
     os.makedirs(args.out, exist_ok=True)
     slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
