@@ -10,15 +10,21 @@ DeepSeek recipe by the scale shapes and strides:
 
 cuBLASLt wants M a multiple of 4 (M = 1 or 129 fail), so odd M is zero-padded and sliced off (rows are
 independent: the padding cannot change the real rows). K is zero-padded to a multiple of 128 for
-wgrad's token axis. The fp32 accumulate of wgrad is an fp32 output plus a separate add (cuBLASLt's
+wgrad's token axis. With 128x128 B scales (fprop, dgrad), ceil(K/128) must also be a multiple of 4:
+otherwise cuBLASLt returns wrong products without an error (H200, torch 2.11.0+cu130: K = 128, 256,
+384, 640, 1152 gave SQNR between -10 and +1 dB against the emulated backend, K = 512 gave 78 dB), so
+there K is zero-padded to a multiple of 512 (zero bytes, padding scales 1: the products are exact).
+The fp32 accumulate of wgrad is an fp32 output plus a separate add (cuBLASLt's
 beta is not exposed by ``_scaled_mm``).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from jetrl.gemm.base import GemmBackend, align, empty_result, pad_k, to_scale_layout
+from jetrl.recipe import BLOCK
 
 
 class TorchBlockwiseBackend(GemmBackend):
@@ -42,6 +48,11 @@ class TorchBlockwiseBackend(GemmBackend):
         m, n = a.shape[0], b.shape[0]
         if m == 0 or n == 0 or a.shape[1] == 0:
             return empty_result(m, n, out_dtype, c, a.device)
+        kb = a_s.shape[1]
+        if role != "wgrad" and kb % 4:  # see the module docstring: ceil(K/128) a multiple of 4
+            a, b = pad_k(a, 4 * BLOCK), pad_k(b, 4 * BLOCK)
+            a_s = F.pad(a_s, (0, align(kb, 4) - kb), value=1.0)
+            b_s = F.pad(b_s, (0, align(kb, 4) - kb), value=1.0)
         a, b = pad_k(a), pad_k(b)
         mp = align(m, 4)
         if mp != m:

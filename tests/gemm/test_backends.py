@@ -122,10 +122,69 @@ def test_linear_fp8_errors_name_the_tensor():
         linear_fp8(bad, wq, ws, backend="emulated", name="L.o_proj:input")
 
 
+def _fake_scaled_mm(a, b, *, scale_a, scale_b, out_dtype):
+    """CPU stand-in for cuBLASLt's block-scaled ``torch._scaled_mm`` that also enforces the layout
+    rules `torch_blockwise` documents (M a multiple of 4; 1x128 A scales outer-dim-major; with 128x128
+    B scales, ceil(K/128) a multiple of 4), then computes the dequantized product in float64."""
+    m, k = a.shape
+    n = b.shape[1]
+    kb = scale_a.shape[1]
+
+    def strides_are(t, want):  # the stride of a size-1 dim is never read
+        return all(size == 1 or st == w for size, st, w in zip(t.shape, t.stride(), want, strict=True))
+
+    assert m % 4 == 0 and k % 128 == 0 and kb == k // 128, (a.shape, scale_a.shape)
+    assert scale_a.shape == (m, kb) and strides_are(scale_a, (1, m)), scale_a.stride()
+    af = a.double() * scale_a.double().repeat_interleave(128, dim=1)
+    if scale_b.shape == (kb, -(-n // 128)):  # 128x128 B: scale_b.t() row-major
+        assert kb % 4 == 0, f"cuBLASLt 128x128 path with ceil(K/128) = {kb}: wrong results on the H200"
+        assert scale_b.t().is_contiguous()
+        sb = scale_b.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[:, :n]
+    else:  # 1x128 B (wgrad)
+        assert scale_b.shape == (kb, n) and strides_are(scale_b.t(), (1, n)), scale_b.stride()
+        sb = scale_b.double().repeat_interleave(128, 0)
+    return (af @ (b.double() * sb)).to(out_dtype)
+
+
+@pytest.mark.parametrize("m,n,k", [(132, 512, 384), (13, 384, 640), (64, 1152, 512), (5, 256, 200)])
+@pytest.mark.parametrize("role", ["fprop", "dgrad", "wgrad"])
+def test_torch_blockwise_operand_preparation(monkeypatch, m, n, k, role):
+    """What `torch-blockwise` hands ``torch._scaled_mm`` (padding of M and K, scale layouts), checked on
+    CPU against the emulated backend with a stand-in `_scaled_mm` that enforces cuBLASLt's rules."""
+    from jetrl.gemm.torch_blockwise import TorchBlockwiseBackend
+
+    monkeypatch.setattr(torch, "_scaled_mm", _fake_scaled_mm)
+    x, w = _data(m, n, k)
+    dy = torch.randn(m, n, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    if role == "fprop":
+        (a, a_s), (b, b_s) = quant.quantize_1x128(x), quant.quantize_128x128(w)
+    elif role == "dgrad":
+        (a, a_s), (wq, ws) = quant.quantize_1x128(dy), quant.quantize_128x128(w)
+        b, b_s = wq.t().contiguous(), ws.t().contiguous()
+    else:
+        (a, a_s), (b, b_s) = quant.quantize_128x1(dy), quant.quantize_128x1(x)
+    out_dtype = torch.float32 if role == "wgrad" else torch.bfloat16
+    got = TorchBlockwiseBackend()._gemm(
+        a, to_scale_layout(a_s, "deepgemm"), b, b_s, role=role, out_dtype=out_dtype, c=None
+    )  # fmt: skip
+    want = get_backend("emulated").gemm(a, a_s, b, b_s, role=role, out_dtype=out_dtype)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert sqnr_db(want, got) >= 40, f"{role} {m=} {n=} {k=}: sqnr={sqnr_db(want, got):.1f} dB"
+
+
 # --------------------------------------------------------------------------------------------------
 # H200 only
 # --------------------------------------------------------------------------------------------------
-GPU_SHAPES = [(1, 4096, 4096), (7, 6144, 4096), (129, 4096, 14336), (4096, 14336, 4096), (4095, 4096, 4096)]
+# the last two: K and N with ceil(/128) not a multiple of 4 (cuBLASLt's 128x128 path needs K padded there)
+GPU_SHAPES = [
+    (1, 4096, 4096),
+    (7, 6144, 4096),
+    (129, 4096, 14336),
+    (4096, 14336, 4096),
+    (4095, 4096, 4096),
+    (132, 384, 640),
+    (33, 1152, 384),
+]
 GPU_IDS = [f"M{m}-N{n}-K{k}" for m, n, k in GPU_SHAPES]
 sm90 = pytest.mark.skipif(not has_sm90(), reason="needs an sm_90 GPU for DeepGEMM and cuBLASLt block scaling")
 
