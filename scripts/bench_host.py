@@ -43,8 +43,7 @@ import triton
 
 from jetrl.gemm import get_backend
 from jetrl.kernels._runtime import nonfinite_flag, scale_buffer
-from jetrl.linear import JetFP8Linear
-from jetrl.recipe import BLOCK, DEFAULT_EPS, E4M3_MAX
+from jetrl.recipe import BLOCK, DEFAULT_EPS, E4M3_MAX, Recipe
 
 q1 = importlib.import_module("jetrl.kernels.quantize_1x128")
 q128 = importlib.import_module("jetrl.kernels.quantize_128x128")
@@ -90,6 +89,8 @@ def _bare_quantize(x, q, s, flag, slot):
 
 
 def cases(dev):
+    from bench_linear import LinearCase  # the steps bench_linear times (scripts/ is on sys.path here)
+
     x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
     w = torch.randn(N, K, device=dev, dtype=torch.bfloat16)
     xq, xs = q1.launch_quantize_1x128(x, "deepgemm", "bench.x")
@@ -102,24 +103,7 @@ def cases(dev):
     acc = torch.zeros(N, K, device=dev, dtype=torch.float32)
     xtq, xts = tq.launch_transpose_quantize(x, "bench.x")  # [K, M]: wgrad operands, token axis M
     leaf = torch.randn(M, K, device=dev, requires_grad=True)
-    lin = torch.nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16)
-    fp8 = JetFP8Linear.from_linear(
-        torch.nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16), recipe="jetrl-unified",
-        backend=be, layer_name="bench",
-    )  # fmt: skip
-    xr = torch.randn(M, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
-
-    def step(mod, requantize=False):
-        def run():
-            xr.grad = None
-            mod.weight.grad = None
-            if requantize:
-                mod.invalidate_fp8_weight()
-            mod(xr).backward(dy)
-
-        return run
-
+    case = LinearCase("bench", N, K, M, be, Recipe.from_name("jetrl-unified"), dev)
     return [
         ("alloc", "torch.empty fp8 [128, 128]", lambda: torch.empty(M, K, device=dev, dtype=torch.float8_e4m3fn)),
         ("alloc", "scale_buffer (deepgemm layout)", lambda: scale_buffer(M, K // BLOCK, "deepgemm", dev)),
@@ -141,9 +125,9 @@ def cases(dev):
             lambda: dg.fp8_gemm_nt((xtq, xts), (xtq, xts), acc, c=acc, recipe=(1, 1, 128)),
         ),
         ("autograd", "empty autograd.Function fwd+bwd", lambda: _Noop.apply(leaf).sum().backward()),
-        ("step", "bf16 nn.Linear fwd+bwd", step(lin)),
-        ("step", "JetFP8Linear fwd+bwd, cached W", step(fp8)),
-        ("step", "JetFP8Linear fwd+bwd, W re-quantized", step(fp8, requantize=True)),
+        ("step", "bf16 nn.Linear fwd+bwd", case.step("bf16")),
+        ("step", "JetFP8Linear fwd+bwd, cached W", case.step("fp8_cached_w")),
+        ("step", "JetFP8Linear fwd+bwd, W re-quantized", case.step("fp8")),
     ]
 
 
