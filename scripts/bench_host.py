@@ -15,12 +15,14 @@ and reports microseconds per call (median of `--repeats` runs, perf_counter, one
 - DeepGEMM: a bare ``fp8_gemm_nt`` (fprop, preallocated output) and the wgrad recipe (1, 1, 128)
   accumulating in place, against the `deepgemm` backend's `gemm` (output allocation, checks);
 - autograd: an empty ``torch.autograd.Function`` fwd+bwd;
-- whole steps: bf16 ``nn.Linear`` fwd+bwd, `JetFP8Linear` fwd+bwd with the weight cached and with it
-  re-quantized (one micro-batch per optimizer step).
+- whole steps (`bench_linear.LinearCase`'s): bf16 ``nn.Linear`` fwd+bwd, `JetFP8Linear` fwd+bwd with
+  the weight cached and with it re-quantized (one micro-batch per optimizer step).
 
-Prints a table and writes ``host-<gpu>.json`` (GPU name, versions, date, rows) to ``--out``.
+``--profile NAMES`` (substrings of the call names) also prints and saves a cProfile of 100 calls of
+each, with autograd's backward on the calling thread so that it is seen. Prints a table and writes
+``host-<gpu>.json`` (GPU name, versions, date, rows, profiles) to ``--out``.
 
-    python3 scripts/bench_host.py [--out DIR] [--calls 300] [--repeats 5]
+    python3 scripts/bench_host.py [--out DIR] [--calls 300] [--repeats 5] [--profile "cached W"]
 """
 
 from __future__ import annotations
