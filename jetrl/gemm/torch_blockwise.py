@@ -11,9 +11,9 @@ DeepSeek recipe by the scale shapes and strides:
 cuBLASLt wants M a multiple of 4 (M = 1 or 129 fail), so odd M is zero-padded and sliced off (rows are
 independent: the padding cannot change the real rows). K is zero-padded to a multiple of 128 for
 wgrad's token axis. With 128x128 B scales (fprop, dgrad), ceil(K/128) must also be a multiple of 4:
-otherwise cuBLASLt returns wrong products without an error (H200, torch 2.11.0+cu130: K = 128, 256,
-384, 640, 1152 gave SQNR between -10 and +1 dB against the emulated backend, K = 512 gave 78 dB), so
-there K is zero-padded to a multiple of 512 (zero bytes, padding scales 1: the products are exact).
+otherwise cuBLASLt returns wrong products without an error (seen on the H200 with torch 2.11.0+cu130
+at K = 128, 256, 384, 640 and 1152, correct at K = 512; `tests/gemm/test_backends.py` pins it with the
+raw call), so there K is zero-padded to a multiple of 512 (zero bytes, padding scales 1: exact).
 The fp32 accumulate of wgrad is an fp32 output plus a separate add (cuBLASLt's
 beta is not exposed by ``_scaled_mm``).
 """
