@@ -89,6 +89,11 @@ class QuantizedActivation:
     version: int
     shape: tuple[int, ...]
 
+    @classmethod
+    def of(cls, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> QuantizedActivation:
+        """(q, s) recorded as a quantization of `x` as it is now."""
+        return cls(q, s, x.data_ptr(), x._version, tuple(x.shape))
+
     def describes(self, x: torch.Tensor) -> bool:
         """Whether `x` is still the tensor these bytes were made from (same storage, version, shape)."""
         return self.data_ptr == x.data_ptr() and self.version == x._version and self.shape == tuple(x.shape)
@@ -99,7 +104,7 @@ def attach_quantized(y: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch
     k = y.shape[-1]
     if tuple(q.shape) != (y.numel() // max(k, 1), k):
         raise ValueError(f"attach_quantized: bytes {tuple(q.shape)} do not match tensor {tuple(y.shape)}")
-    setattr(y, _ATTR, QuantizedActivation(q, s, y.data_ptr(), y._version, tuple(y.shape)))
+    setattr(y, _ATTR, QuantizedActivation.of(y, q, s))
     return y
 
 
@@ -182,7 +187,7 @@ def _wgrad_operand_of(x: torch.Tensor, x2: torch.Tensor, name: str) -> tuple[tor
     if qt is not None and qt.describes(x):
         return qt.q, qt.s
     q_t, s_t = transpose_quantize(x2, name=name)
-    setattr(x, _ATTR_T, QuantizedActivation(q_t, s_t, x.data_ptr(), x._version, tuple(x.shape)))
+    setattr(x, _ATTR_T, QuantizedActivation.of(x, q_t, s_t))
     return q_t, s_t
 
 

@@ -91,7 +91,8 @@ def _inputs(m: int, k: int) -> dict:
 
 
 def _cases(m: int, k: int, inp: dict):
-    """(kernel name, goal kind, bytes moved, triton fn, eager fn) for one shape and input set."""
+    """(kernel name, goal kind, bytes moved, triton fn, eager fn) for one shape and input set; the
+    triton fn takes launch options (``fn(**config)``, the sweep's) and runs the defaults without."""
     x, gate, up, w, xq, xs, rstd, dy = (inp[n] for n in ("x", "gate", "up", "w", "xq", "xs", "rstd", "dy"))
     g, gm = ceil_div(k, 128), ceil_div(m, 128)
     mk = m * k
@@ -100,70 +101,70 @@ def _cases(m: int, k: int, inp: dict):
             "quantize_1x128[row]",
             "quant",
             2 * mk + mk + 4 * m * g,
-            lambda: q1.launch_quantize_1x128(x, "row"),
+            lambda **c: q1.launch_quantize_1x128(x, "row", **c),
             lambda: K.torch_quantize_1x128(x),
         ),
         (
             "quantize_1x128[deepgemm]",
             "quant",
             2 * mk + mk + 4 * m * g,
-            lambda: q1.launch_quantize_1x128(x, "deepgemm"),
+            lambda **c: q1.launch_quantize_1x128(x, "deepgemm", **c),
             lambda: K.torch_quantize_1x128(x, scale_layout="deepgemm"),
         ),
         (
             "quantize_128x128",
             "quant",
             2 * mk + mk + 4 * gm * g,
-            lambda: q128.launch_quantize_128x128(x),
+            lambda **c: q128.launch_quantize_128x128(x, **c),
             lambda: K.torch_quantize_128x128(x),
         ),
         (
             "quantize_128x128[+T]",
             "quant",
             2 * mk + 2 * mk + 8 * gm * g,
-            lambda: q128.launch_quantize_128x128(x, True),
+            lambda **c: q128.launch_quantize_128x128(x, True, **c),
             lambda: K.torch_quantize_128x128(x, with_transpose=True),
         ),
         (
             "transpose_quantize",
             "transpose",
             2 * mk + mk + 4 * k * gm,
-            lambda: tq.launch_transpose_quantize(x),
+            lambda **c: tq.launch_transpose_quantize(x, **c),
             lambda: K.torch_transpose_quantize(x),
         ),
         (
             "transpose_requantize",
             "transpose",
             mk + 4 * m * g + mk + 4 * k * gm,
-            lambda: tq.launch_transpose_requantize(xq, xs),
+            lambda **c: tq.launch_transpose_requantize(xq, xs, **c),
             lambda: K.torch_transpose_requantize(xq, xs),
         ),
         (
             "rmsnorm_quant",
             "quant",
             2 * mk + 2 * k + 2 * mk + mk + 4 * m * g + 4 * m,
-            lambda: rq.launch_rmsnorm_quant(x, w, 1e-6),
+            lambda **c: rq.launch_rmsnorm_quant(x, w, 1e-6, **c),
             lambda: K.torch_rmsnorm_quant(x, w, 1e-6),
         ),
         (
             "rmsnorm_backward",
             "none",
             2 * mk * 2 + 2 * k + 4 * m + 2 * mk,
-            lambda: rq.launch_rmsnorm_backward(dy, x, w, rstd),
+            lambda **c: rq.launch_rmsnorm_backward(dy, x, w, rstd, **c),
             lambda: K.torch_rmsnorm_backward(dy, x, w, rstd),
         ),
         (
             "swiglu_quant",
             "swiglu",
             4 * mk + 2 * mk + mk + 4 * m * g,
-            lambda: sq.launch_swiglu_quant(gate, up),
+            lambda **c: sq.launch_swiglu_quant(gate, up, **c),
             lambda: K.torch_swiglu_quant(gate, up),
         ),
         (
             "swiglu_backward",
             "none",
             6 * mk + 4 * mk,
-            lambda: sq.launch_swiglu_backward(dy, gate, up),
+            lambda **c: sq.launch_swiglu_backward(dy, gate, up, **c),
             lambda: K.torch_swiglu_backward(dy, gate, up),
         ),
     ]
@@ -222,32 +223,21 @@ def valid_config(name: str, out, ref) -> bool:
 
 
 def _sweep(m: int, k: int, kernels: list[str]) -> list[dict]:
-    """Time the default and every config of `SWEEPS` at one shape, one call at a time (``gbps``) and
-    back to back from a CUDA graph (``graph_gbps``, `_time_graph`: what picks the best; single calls of
-    the ~20 us kernels at M=4096 vary by 2x between runs); each config's outputs are checked against
-    the default's (`valid_config`), the best valid config printed."""
+    """Time the default and every config of `SWEEPS` at one shape (the launchers and byte counts of
+    `_cases`), one call at a time (``gbps``) and back to back from a CUDA graph (``graph_gbps``,
+    `_time_graph`: what picks the best; single calls of the ~20 us kernels at M=4096 varied by up to
+    2.6x between runs); each config's outputs are checked against the default's (`valid_config`), the
+    best valid config printed."""
     sets = [_inputs(m, k) for _ in range(_n_sets(m, k))]
-    mk, g, gm = m * k, ceil_div(k, 128), ceil_div(m, 128)
-    fns = {
-        "quantize_1x128[row]": (3 * mk + 4 * m * g, lambda t, c: q1.launch_quantize_1x128(t["x"], "row", **c)),
-        "transpose_quantize": (3 * mk + 4 * k * gm, lambda t, c: tq.launch_transpose_quantize(t["x"], **c)),
-        "transpose_requantize": (
-            2 * mk + 4 * (m * g + k * gm),
-            lambda t, c: tq.launch_transpose_requantize(t["xq"], t["xs"], **c),
-        ),
-        "rmsnorm_quant": (5 * mk + 4 * m * g, lambda t, c: rq.launch_rmsnorm_quant(t["x"], t["w"], 1e-6, **c)),
-        "swiglu_quant": (7 * mk + 4 * m * g, lambda t, c: sq.launch_swiglu_quant(t["gate"], t["up"], **c)),
-        "quantize_128x128": (3 * mk, lambda t, c: q128.launch_quantize_128x128(t["x"], False, **c)),
-        "quantize_128x128[+T]": (4 * mk, lambda t, c: q128.launch_quantize_128x128(t["x"], True, **c)),
-    }
+    per_set = [{name: (nbytes, fn) for name, _, nbytes, fn, _ in _cases(m, k, t)} for t in sets]
     rows = []
     for name in kernels:
-        nbytes, fn = fns[name]
-        ref = fn(sets[0], {})
+        nbytes, fn = per_set[0][name]
+        ref = fn()
         for c in [{}, *SWEEPS[name]]:
-            out = fn(sets[0], c)
+            out = fn(**c)
             same, valid = _same(out, ref), valid_config(name, out, ref)
-            calls = [lambda t=t, c=c, fn=fn: fn(t, c) for t in sets]
+            calls = [lambda f=cases[name][1], c=c: f(**c) for cases in per_set]
             gbps = _gbps(nbytes, _time(calls[0]))
             graph_gbps = _gbps(nbytes, _time_graph(calls))
             rows.append(

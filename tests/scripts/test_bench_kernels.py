@@ -56,6 +56,9 @@ def test_sweep_grids_use_only_launcher_options(bench):
         "quantize_128x128[+T]": set(inspect.signature(q128.launch_quantize_128x128).parameters),
     }
     assert set(bench.SWEEPS) == set(takes)
+    x = torch.zeros(256, 256)
+    inp = dict(x=x, gate=x, up=x, w=x[0], xq=x, xs=x, rstd=x[0], dy=x)
+    assert set(bench.SWEEPS) <= {case[0] for case in bench._cases(256, 256, inp)}  # each has a launcher
     for name, configs in bench.SWEEPS.items():
         for c in configs:
             assert set(c) <= takes[name], (name, c)
