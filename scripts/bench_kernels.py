@@ -207,7 +207,8 @@ def _grid(**axes) -> list[dict]:
 SWEEPS = {
     "quantize_1x128[row]": _grid(block_m=(16, 32, 64, 128, 256), num_warps=(2, 4, 8, 16), g_fastest=(False, True)),
     "transpose_quantize": _grid(block_k=(16, 32, 64, 128), num_warps=(1, 2, 4, 8), k_fastest=(False, True)),
-    "quantize_dual[deepgemm]": _grid(num_warps=(4, 8, 16), k_fastest=(False, True), trans=(False, True)),
+    "quantize_dual[deepgemm]": _grid(chunk_m=(32, 64, 128), chunk_k=(32, 64, 128), num_warps=(2, 4, 8))
+    + _grid(chunk_m=(64,), chunk_k=(64,), num_warps=(4,), k_fastest=(True,)),
     "transpose_requantize": _grid(block_k=(32, 64, 128), num_warps=(2, 4, 8), k_fastest=(False, True)),
     "rmsnorm_quant": _grid(block_k=(2048, 4096, 16384), num_warps=(4, 8, 16))
     + _grid(block_m=(2, 4), block_k=(2048, 4096), num_warps=(8, 16)),

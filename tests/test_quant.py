@@ -315,3 +315,12 @@ def test_reference_identical_on_cuda_and_cpu(dtype):
         q_g, s_g = fn(x.cuda())
         assert torch.equal(s_g.cpu(), s_c), f"{fn.__name__}: scales differ between CUDA and CPU"
         assert torch.equal(_t(q_g.cpu()), _t(q_c)), f"{fn.__name__}: bytes differ between CUDA and CPU"
+
+
+def test_sqnr_db_exact_known_and_non_finite():
+    ref = torch.tensor([3.0, 4.0], dtype=torch.float64)
+    assert sqnr_db(ref, ref.clone()) == math.inf
+    assert abs(sqnr_db(ref, ref * 1.1) - 20.0) < 1e-9  # noise = 1% of the signal power
+    # a GEMM returning garbage can hold Inf/NaN: that is the worst match, not a math domain error
+    for bad in (float("inf"), float("nan")):
+        assert sqnr_db(ref, torch.tensor([bad, 4.0], dtype=torch.float64)) == -math.inf

@@ -9,7 +9,7 @@ import torch
 
 def sqnr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio of `test` against `ref` in dB, computed in float64;
-    +inf for an exact match."""
+    +inf for an exact match, -inf when the noise is not finite (Inf/NaN in `test` or `ref`)."""
     if ref.shape != test.shape:
         raise ValueError(f"sqnr_db: shapes differ, {tuple(ref.shape)} vs {tuple(test.shape)}")
     ref64, test64 = ref.detach().to(torch.float64), test.detach().to(torch.float64)
@@ -17,7 +17,7 @@ def sqnr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
     signal = float((ref64**2).sum())
     if noise == 0.0:
         return math.inf
-    if signal == 0.0:
+    if signal == 0.0 or not math.isfinite(noise):
         return -math.inf
     return 10.0 * math.log10(signal / noise)
 

@@ -30,7 +30,12 @@ from jetrl.testing.numerics import has_sm90
 
 LAYOUTS = ("row", "deepgemm")
 # options tried against the launcher's defaults (each must give the default's outputs)
-OPTIONS = [{"k_fastest": False}, {"trans": True}, {"num_warps": 4}, {"rcp": False}]
+OPTIONS = [
+    {"k_fastest": True},
+    {"chunk_m": 128, "chunk_k": 128},
+    {"chunk_m": 16, "chunk_k": 32, "num_warps": 8},
+    {"rcp": False},
+]
 
 
 def _reference(x: torch.Tensor, layout: str):
