@@ -16,16 +16,14 @@ What is stored, and when it is computed:
   after them, or `invalidate_on_step(optimizer, model)` once to do it after every step.
 - X is quantized 1x128 in the forward. When ``recipe.save_activations_fp8`` (default), what is saved
   for backward is wgrad's operand itself, X^T quantized 128x1 (along tokens) from the BF16 X, fp8
-  bytes + scales (half the bytes of BF16), made in the forward with the 1x128 bytes by one
-  `quantize_dual` (one read of X; `transpose_quantize` for a pre-quantized X); so wgrad uses
+  bytes + scales (half the bytes of BF16), made in the forward by `transpose_quantize`; so wgrad uses
   exactly the spec's 128x1 operand (no dequantize-requantize round trip, see `transpose_requantize`
   for what that would cost) and the backward reads no X. Otherwise the BF16 X is saved and quantized
   128x1 in the backward.
 - dY arrives in BF16 (gradients between ops stay BF16); it is quantized 1x128 for dgrad and 128x1
-  for wgrad (both by one `quantize_dual` when both are needed). dX leaves in X's dtype. dW is
-  accumulated in fp32: into ``weight.main_grad`` in place when that attribute exists
-  (Megatron/verl style; ``weight.grad`` then stays None), else returned as the weight's gradient in
-  the weight's dtype.
+  for wgrad. dX leaves in X's dtype. dW is accumulated in fp32: into
+  ``weight.main_grad`` in place when that attribute exists (Megatron/verl style; ``weight.grad`` then
+  stays None), else returned as the weight's gradient in the weight's dtype.
 
 Pre-quantized inputs. A fused producer (RMSNorm + quantize, SwiGLU + quantize) computes the 1x128
 bytes of its output anyway; it hands them over with ``attach_quantized(y, q, s)``, which stores a
@@ -60,7 +58,7 @@ from torch import nn
 
 from jetrl.gemm import GemmBackend, fprop, get_backend
 from jetrl.gemm import quantize as gq
-from jetrl.gemm.quantize import quantize_1x128, quantize_128x128, quantize_dual, transpose_quantize
+from jetrl.gemm.quantize import quantize_1x128, quantize_128x128, transpose_quantize
 from jetrl.recipe import Recipe, RecipeError
 
 __all__ = [
@@ -127,17 +125,12 @@ class _FP8LinearFn(torch.autograd.Function):
         xname = f"{module.layer_name}:input"
         ctx.fp8_saved = module.recipe.save_activations_fp8
         wgrad = ctx.needs_input_grad[1]
+        xq, xs = pre if pre is not None else quantize_1x128(x2, scale_layout=be.scale_layout, name=xname)
         saved: tuple = ()
-        if pre is not None:
-            xq, xs = pre
-            if wgrad and ctx.fp8_saved:
-                saved = _wgrad_operand_of(x, x2, xname)
-        elif wgrad and ctx.fp8_saved:  # the wgrad operand (X^T quantized along tokens) is saved instead of X
-            xq, xs, *saved = quantize_dual(x2, scale_layout=be.scale_layout, name=xname)
-        else:
-            xq, xs = quantize_1x128(x2, scale_layout=be.scale_layout, name=xname)
         if wgrad and not ctx.fp8_saved:
             saved = (x2,)
+        elif wgrad:  # the wgrad operand (X^T quantized along tokens) is saved instead of X
+            saved = _wgrad_operand_of(x, x2, xname) if pre is not None else transpose_quantize(x2, name=xname)
         wq, ws, wq_t, ws_t = module._fp8_operands(with_transpose=ctx.needs_input_grad[0])
         y = fprop(xq, xs, wq, ws, bias, backend=be, out_dtype=x.dtype, name=xname)
         ctx.module = module
@@ -160,17 +153,13 @@ class _FP8LinearFn(torch.autograd.Function):
         dx = dw = db = None
         dgrad, wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dname = f"{nm}:grad_output"
-        if dgrad and wgrad:  # dY both ways from one read
-            dyq, dys, dyt_q, dyt_s = quantize_dual(dy2, scale_layout=be.scale_layout, name=dname)
-        elif dgrad:
-            dyq, dys = quantize_1x128(dy2, scale_layout=be.scale_layout, name=dname)
-        elif wgrad:
-            dyt_q, dyt_s = transpose_quantize(dy2, name=dname)
         if dgrad:
+            dyq, dys = quantize_1x128(dy2, scale_layout=be.scale_layout, name=dname)
             wq_t, ws_t = ctx.w_t
             # Shapes: [M, N] @ [K, N]^T -> [M, K]
             dx = be.gemm(dyq, dys, wq_t, ws_t, role="dgrad", out_dtype=ctx.x_dtype).reshape(ctx.x_shape)
         if wgrad:
+            dyt_q, dyt_s = transpose_quantize(dy2, name=dname)
             if ctx.fp8_saved:
                 xt_q, xt_s = ctx.saved_tensors
             else:

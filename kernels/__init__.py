@@ -7,8 +7,7 @@ a device flag that `check_nonfinite()` (call once per step) turns into the same 
 and the tensor.
 
 Ops (one file each): `quantize_1x128`, `quantize_128x128`, `transpose_quantize` /
-`transpose_requantize`, `quantize_dual` (1x128 and the transposed 128x1 from one read),
-`rmsnorm_quant` / `rmsnorm_backward`, `swiglu_quant` / `swiglu_backward`.
+`transpose_requantize`, `rmsnorm_quant` / `rmsnorm_backward`, `swiglu_quant` / `swiglu_backward`.
 """
 
 if __name__ != "jetrl.kernels":
@@ -21,7 +20,6 @@ else:
     from ._runtime import check_nonfinite, reset_nonfinite
     from .quantize_1x128 import quantize_1x128, torch_quantize_1x128
     from .quantize_128x128 import quantize_128x128, torch_quantize_128x128
-    from .quantize_dual import quantize_dual, torch_quantize_dual
     from .rmsnorm_quant import rmsnorm_backward, rmsnorm_quant, torch_rmsnorm_backward, torch_rmsnorm_quant
     from .swiglu_quant import swiglu_backward, swiglu_quant, torch_swiglu_backward, torch_swiglu_quant
     from .transpose_quantize import (
@@ -42,8 +40,6 @@ else:
         "torch_transpose_quantize",
         "transpose_requantize",
         "torch_transpose_requantize",
-        "quantize_dual",
-        "torch_quantize_dual",
         "rmsnorm_quant",
         "torch_rmsnorm_quant",
         "rmsnorm_backward",

@@ -32,7 +32,6 @@ __all__ = [
     "quantize_128x128",
     "transpose_quantize",
     "transpose_requantize",
-    "quantize_dual",
     "set_quantize_impl",
     "quantize_impl",
     "quantize_paths",
@@ -61,15 +60,13 @@ def quantize_impl() -> str:
 def quantize_paths() -> dict[str, str]:
     """For each quantize op, what runs it on CUDA now: 'jetrl.kernels', 'composed' or 'jetrl.quant'."""
     out = {}
-    for op in ("quantize_1x128", "quantize_128x128", "transpose_quantize", "transpose_requantize", "quantize_dual"):
+    for op in ("quantize_1x128", "quantize_128x128", "transpose_quantize", "transpose_requantize"):
         if _IMPL["name"] == "reference":
             out[op] = "jetrl.quant"
         elif _kernel(op) is not None:
             out[op] = "jetrl.kernels"
         elif _IMPL["name"] == "kernels+compose" and op.startswith("transpose"):
             out[op] = "composed from jetrl.kernels.quantize_1x128" + (" + eager dequantize" if "re" in op else "")
-        elif _IMPL["name"] == "kernels+compose" and op == "quantize_dual":
-            out[op] = "composed from quantize_1x128 + transpose_quantize"
         else:
             out[op] = "missing (raises on CUDA)"
     return out
@@ -168,19 +165,6 @@ def transpose_quantize(x: torch.Tensor, *, name: str = "x"):
     if fn is not None:
         return fn(x, name=name)
     return quant.quantize_128x1(x, name=name)
-
-
-def quantize_dual(x: torch.Tensor, *, scale_layout: str = "row", name: str = "x"):
-    """x [M, K] -> (q [M, K], s, q_t [K, M], s_t): `quantize_1x128` and `transpose_quantize` of x
-    from one read, both scale tensors in `scale_layout`."""
-    if eager_fast_path(x):
-        return launcher("quantize_dual", "launch_quantize_dual")(x, scale_layout, name)
-    fn = None if _composable("quantize_dual", x) else _route("quantize_dual", x)
-    if fn is not None:
-        return fn(x, scale_layout=scale_layout, name=name)
-    q, s = quantize_1x128(x, scale_layout=scale_layout, name=name)
-    q_t, s_t = transpose_quantize(x, name=name)
-    return q, s, q_t, to_scale_layout(s_t, scale_layout)
 
 
 def transpose_requantize(q: torch.Tensor, s: torch.Tensor, *, name: str = "x"):

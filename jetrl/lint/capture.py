@@ -52,15 +52,12 @@ OP_SPECS: dict[str, QuantSpec] = {
     "jetrl::quantize_1x128": QuantSpec(Granularity.G1x128),
     "jetrl::quantize_128x128": QuantSpec(Granularity.G128x128),
     "jetrl::transpose_quantize": QuantSpec(Granularity.G128x1),
-    "jetrl::quantize_dual": QuantSpec(Granularity.G1x128),
     "jetrl::rmsnorm_quant": QuantSpec(Granularity.G1x128),
     "jetrl::swiglu_quant": QuantSpec(Granularity.G1x128),
 }
-"""The spec each jetrl custom op implements (interface A: each is bit-identical to `jetrl.quant`).
-``jetrl::quantize_dual`` is labelled by its first outputs, the 1x128 bytes fprop reads (its 128x1
-outputs are the wgrad operand, not an edge of the forward graph)."""
+"""The spec each jetrl custom op implements (interface A: each is bit-identical to `jetrl.quant`)."""
 
-_ACT_OPS = ("jetrl::quantize_1x128", "jetrl::quantize_dual")
+_ACT_OPS = ("jetrl::quantize_1x128",)
 """Ops that quantize a Linear's input inside the Linear (the weight quantizers also run there, once)."""
 _FUSED_OPS = {"jetrl::rmsnorm_quant": OpKind.NORM_QUANT, "jetrl::swiglu_quant": OpKind.ACTIVATION_QUANT}
 
@@ -455,7 +452,7 @@ def trace_model(
             call = rec.module_calls.get(info.path)
             t: dict[str, Any] = {"x": call.x, "y": call.y} if call is not None else {}
             for (m, op), oc in rec.op_calls.items():
-                if m == info.path and op in _ACT_OPS and oc.outputs:
+                if m == info.path and op == "jetrl::quantize_1x128" and oc.outputs:
                     t["xq"], t["xs"] = oc.outputs[0], oc.outputs[1]
             mod = by_path[info.path]
             if info.kind in ("linear", "lm_head") and info.w is not None and info.w.quantized:

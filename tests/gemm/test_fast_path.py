@@ -93,8 +93,8 @@ def test_lint_capture_sees_the_same_ops_with_the_fast_path_enabled(cpu_fast, mon
 
     monkeypatch.setattr(gq, "FAST_PATH_DEVICE_TYPES", ("cuda",))
     custom_ops = recorded(lambda: layer(x).backward(torch.randn(8, 128)))
-    # a training forward makes the fprop operand and the saved wgrad operand (X^T along tokens) in one op
-    want = {"jetrl::quantize_dual": 1, "jetrl::quantize_128x128": 1}
+    # a training forward makes the fprop operand and the saved wgrad operand (X^T along tokens)
+    want = {"jetrl::quantize_1x128": 1, "jetrl::transpose_quantize": 1, "jetrl::quantize_128x128": 1}
     assert custom_ops == want, custom_ops
 
     monkeypatch.setattr(gq, "FAST_PATH_DEVICE_TYPES", ("cpu", "cuda"))
@@ -106,7 +106,7 @@ def test_lint_capture_sees_the_same_ops_with_the_fast_path_enabled(cpu_fast, mon
         return raising
 
     monkeypatch.setattr(gq, "launcher", launcher)
-    with pytest.raises(RuntimeError, match="launcher launch_quantize_dual called"):
+    with pytest.raises(RuntimeError, match="launcher launch_quantize_1x128 called"):
         layer(x)
     assert recorded(lambda: layer(x)) == custom_ops
 
@@ -139,18 +139,9 @@ def test_linear_through_the_launchers_is_bitwise_the_custom_op_path():
             if got.dtype == torch.float8_e4m3fn:
                 got, want = got.view(torch.uint8), want.view(torch.uint8)
             assert torch.equal(got, want), f"{key} differs between the fast path and the custom ops: {ctx}"
-        # X and dY, each 1x128 and 128x1: both at once when X's 128x1 is what is saved (forward) and for
-        # dY (backward); with the BF16 X saved, X's 1x128 in the forward and its 128x1 in the backward.
-        # No requantization either way
-        if fp8_saved:
-            want_counts = {"launch_quantize_dual": 2, "launch_quantize_128x128": 1}
-        else:
-            want_counts = {
-                "launch_quantize_1x128": 1,
-                "launch_quantize_dual": 1,
-                "launch_quantize_128x128": 1,
-                "launch_transpose_quantize": 1,
-            }
+        # X and dY, each 1x128 and 128x1 (X's 128x1 in the forward when it is what is saved, else in
+        # the backward from the saved BF16 X); no requantization either way
+        want_counts = {"launch_quantize_1x128": 2, "launch_quantize_128x128": 1, "launch_transpose_quantize": 2}
         assert r["counts"] == want_counts, f"{r['counts']} {ctx}"
 
 
@@ -201,9 +192,10 @@ def _check_fused(r):
         "launch_swiglu_quant": 1,
         "launch_swiglu_backward": 1,
         "launch_quantize_128x128": 3,
-        "launch_quantize_dual": 3,  # dY of gate, up, down (dgrad and wgrad); every X arrives quantized
-        # the saved wgrad operands of the normed x (gate and up share it, attached to x by the first) and of h
-        "launch_transpose_quantize": 2,
+        "launch_quantize_1x128": 3,  # dY of gate, up, down (dgrad); every X arrives quantized
+        # dY of gate, up, down (wgrad) + the saved wgrad operands of the normed x (gate and up share
+        # it, attached to x by the first) and of h
+        "launch_transpose_quantize": 5,
     }, r["counts"]
 
 

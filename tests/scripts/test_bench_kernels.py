@@ -45,13 +45,11 @@ def test_sweep_grids_use_only_launcher_options(bench):
     """Every swept option is one its launcher takes (a typo would fail on the GPU, minutes in)."""
     import inspect
 
-    # the op modules, as the script loads them
-    q1, q128, sq, tq, qd = bench.q1, bench.q128, bench.sq, bench.tq, bench.qd
+    q1, q128, sq, tq = bench.q1, bench.q128, bench.sq, bench.tq  # the op modules, as the script loads them
     takes = {
         "quantize_1x128[row]": set(inspect.signature(q1.launch_quantize_1x128).parameters),
         "transpose_quantize": set(inspect.signature(tq._launch).parameters),
         "transpose_requantize": set(inspect.signature(tq._launch).parameters),
-        "quantize_dual[deepgemm]": set(inspect.signature(qd.launch_quantize_dual).parameters),
         "rmsnorm_quant": {"block_m", "block_k", "num_warps", "rcp"},  # launch_rmsnorm_quant's **config
         "swiglu_quant": set(inspect.signature(sq.launch_swiglu_quant).parameters),
         "quantize_128x128": set(inspect.signature(q128.launch_quantize_128x128).parameters),
