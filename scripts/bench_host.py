@@ -12,15 +12,17 @@ and reports microseconds per call (median of `--repeats` runs, perf_counter, one
   `launch_quantize_1x128` (checks, allocation, flag, launch) and the ``jetrl::quantize_1x128``
   custom op (the dispatcher path the eager fast path bypasses);
 - the other launchers of a step: `launch_transpose_quantize`, `launch_quantize_128x128` (+ transpose);
-- DeepGEMM: a bare ``fp8_gemm_nt`` (fprop, preallocated output) and the wgrad recipe (1, 1, 128)
-  accumulating in place, against the `deepgemm` backend's `gemm` (output allocation, checks);
+- DeepGEMM: a bare ``fp8_gemm_nt`` (fprop, preallocated output; also cycling through 8 operand sets,
+  as a step's tensors are new each time) and the wgrad recipe (1, 1, 128) accumulating in place,
+  against the `deepgemm` backend's `gemm` (output allocation, checks; wgrad's zero-filled output);
 - autograd: an empty ``torch.autograd.Function`` fwd+bwd;
 - whole steps (`bench_linear.LinearCase`'s): bf16 ``nn.Linear`` fwd+bwd, `JetFP8Linear` fwd+bwd with
   the weight cached and with it re-quantized (one micro-batch per optimizer step).
 
 ``--profile NAMES`` (substrings of the call names) also prints and saves a cProfile of 100 calls of
-each, with autograd's backward on the calling thread so that it is seen. Prints a table and writes
-``host-<gpu>.json`` (GPU name, versions, date, rows, profiles) to ``--out``.
+each, with autograd's backward on the calling thread so that it is seen; ``--api NAMES`` lists the
+CUDA runtime/driver API calls each makes (torch.profiler), e.g. what DeepGEMM does inside one call.
+Prints a table and writes ``host-<gpu>.json`` (GPU name, versions, date, rows, profiles) to ``--out``.
 
     python3 scripts/bench_host.py [--out DIR] [--calls 300] [--repeats 5] [--profile "cached W"]
 """
@@ -32,6 +34,7 @@ import cProfile
 import datetime
 import importlib
 import io
+import itertools
 import json
 import os
 import platform
@@ -104,6 +107,9 @@ def cases(dev):
     d = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
     acc = torch.zeros(N, K, device=dev, dtype=torch.float32)
     xtq, xts = tq.launch_transpose_quantize(x, "bench.x")  # [K, M]: wgrad operands, token axis M
+    # the same fprop on 8 different operand/output allocations in turn (a step's tensors are new each time)
+    sets = [((xq.clone(), xs.clone()), (wq.clone(), ws.clone()), torch.empty_like(d)) for _ in range(8)]
+    rotating = itertools.cycle(sets)
     leaf = torch.randn(M, K, device=dev, requires_grad=True)
     case = LinearCase("bench", N, K, M, be, Recipe.from_name("jetrl-unified"), dev)
     return [
@@ -123,8 +129,18 @@ def cases(dev):
         ),
         (
             "deepgemm",
+            "bare fp8_gemm_nt fprop, 8 rotating operand sets",
+            lambda: dg.fp8_gemm_nt(*next(rotating)),
+        ),
+        (
+            "deepgemm",
             "bare fp8_gemm_nt wgrad (1,1,128), in place",
             lambda: dg.fp8_gemm_nt((xtq, xts), (xtq, xts), acc, c=acc, recipe=(1, 1, 128)),
+        ),
+        (
+            "deepgemm",
+            "backend.gemm wgrad (zeros + accumulate)",
+            lambda: be.gemm(xtq, xts, xtq, xts, role="wgrad", out_dtype=torch.float32),
         ),
         ("autograd", "empty autograd.Function fwd+bwd", lambda: _Noop.apply(leaf).sum().backward()),
         ("step", "bf16 nn.Linear fwd+bwd", case.step("bf16")),
@@ -150,25 +166,57 @@ def profile_calls(fn, calls: int, top: int = 18) -> str:
     return out.getvalue()
 
 
+def cuda_api_calls(fn, calls: int = 50) -> list[dict]:
+    """CUDA runtime/driver API calls made while issuing `fn` (torch.profiler, CPU side): per call of
+    fn, how many of each and their host microseconds, largest total first. Shows what a library does
+    inside one opaque call (a launch, an allocation, a sync, a device query)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with (
+        torch.autograd.set_multithreading_enabled(False),
+        profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof,
+    ):
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = [
+        {"api": e.key, "per_call": e.count / calls, "us_per_call": e.self_cpu_time_total / calls}
+        for e in prof.key_averages()
+        if e.key.startswith(("cuda", "cu")) and e.key != "cudaDeviceSynchronize"
+    ]
+    return sorted(rows, key=lambda r: -r["us_per_call"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--profile", default="", help="comma list of call names (substrings) to also cProfile")
+    ap.add_argument("--api", default="", help="comma list of call names (substrings) whose CUDA API calls to list")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_host.py needs a CUDA GPU (it times what the host does to launch GPU work)")
     dev = torch.device("cuda")
     gpu = torch.cuda.get_device_name()
-    rows, profiles = [], {}
+    rows, profiles, api = [], {}, {}
     wanted = [p for p in args.profile.split(",") if p]
+    wanted_api = [p for p in args.api.split(",") if p]
     for group, name, fn in cases(dev):
         us = per_call_us(fn, args.calls, args.repeats)
         rows.append({"group": group, "call": name, "us_per_call": us})
         print(f"{group:9s} {name:45s} {us:8.1f} us", flush=True)
         if any(w in name for w in wanted):
             profiles[name] = profile_calls(fn, 100)
+        if any(w in name for w in wanted_api):
+            api[name] = cuda_api_calls(fn)
+    for name, calls in api.items():
+        print(f"\n## CUDA API calls per call: {name}")
+        for r in calls[:12]:
+            print(f"  {r['api'][:60]:60s} {r['per_call']:6.2f}x {r['us_per_call']:8.1f} us")
     for name, text in profiles.items():
         print(f"\n## cProfile, 100 calls: {name}\n" + "\n".join(ln[:160] for ln in text.splitlines() if ln.strip()))
     dg = get_backend("deepgemm").dg
@@ -182,6 +230,7 @@ def main() -> None:
         "method": f"median of {args.repeats} runs of {args.calls} calls on 128x128 tensors; host perf_counter",
         "rows": rows,
         "profiles": profiles,
+        "cuda_api": api,
     }
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "host-" + re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") + ".json")

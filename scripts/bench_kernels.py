@@ -5,7 +5,8 @@ For M in {4096, 16384} and K in {4096, 14336} (bf16 inputs) it times each kernel
 time, and prints a table with the device-to-device copy of an ``[M, K]`` bf16 tensor measured in the
 same run, the eager torch reference (`jetrl.kernels.torch_<op>`) and the goals of issue 3:
 quantize kernels and rmsnorm+quant >= 80% of copy (3.4 TB/s on an H200), transpose-quantize >=
-2.5 TB/s, swiglu+quant >= 75% of copy. Each kernel (and the copy) is timed twice: one call at a time
+2.5 TB/s, swiglu+quant >= 75% of copy; also the weight sync's digest (`jetrl.kernels.digest`: bytes
+read only, no goal; eager = the torch definition). Each kernel (and the copy) is timed twice: one call at a time
 (``gbps``), and launched back to back over rotating input sets larger than L2, replayed from a CUDA
 graph (``graph_gbps``: the launch gap that a single ~20 us call pays is gone, as inside a training
 step); the goals are judged for each timing against the copy timed the same way.
@@ -34,7 +35,9 @@ import triton
 from triton.testing import do_bench
 
 import jetrl.kernels as K
+from jetrl.kernels.digest import launch_digest, torch_digest
 from jetrl.quant import ceil_div
+from jetrl.rollout.sync import DIGEST_K
 
 # the op modules (jetrl.kernels re-exports functions of the same names, so import the modules by path)
 q1, q128, rq, sq, tq = (
@@ -161,6 +164,13 @@ def _cases(m: int, k: int, inp: dict):
             lambda: K.torch_swiglu_quant(gate, up),
         ),
         (
+            "digest (weight sync)",
+            "none",
+            2 * mk,
+            lambda **c: launch_digest(x.view(torch.int64).reshape(-1), DIGEST_K, **c),
+            lambda: torch_digest(x.view(torch.int64).reshape(-1), DIGEST_K),
+        ),
+        (
             "swiglu_backward",
             "none",
             6 * mk + 4 * mk,
@@ -192,6 +202,7 @@ def _grid(**axes) -> list[dict]:
 SWEEPS = {
     "quantize_1x128[row]": _grid(block_m=(16, 32, 64, 128, 256), num_warps=(2, 4, 8, 16), g_fastest=(False, True)),
     "transpose_quantize": _grid(block_k=(16, 32, 64, 128), num_warps=(1, 2, 4, 8), k_fastest=(False, True)),
+    "digest (weight sync)": _grid(block=(1024, 2048, 4096, 8192), num_warps=(4, 8, 16)),
     "transpose_requantize": _grid(block_k=(32, 64, 128), num_warps=(2, 4, 8), k_fastest=(False, True)),
     "rmsnorm_quant": _grid(block_k=(2048, 4096, 16384), num_warps=(4, 8, 16))
     + _grid(block_m=(2, 4), block_k=(2048, 4096), num_warps=(8, 16)),

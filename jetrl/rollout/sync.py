@@ -19,8 +19,9 @@ Verification. After every copy, a digest of every placed tensor is computed on b
 trainer's payload and the engine's memory (the exact row range) -- and any difference raises
 `WeightSyncError` naming the parameter. `tensor_digest` is a 128-bit position-weighted sum of the
 bytes (as 64-bit words, mod 2^64, odd multipliers): any single-word change always changes it, it is
-order-independent so CPU and GPU agree, and it runs as a few fused device ops (no host copy of the
-weights). Not cryptographic: it guards against bugs, not adversaries.
+order-independent so CPU and GPU agree, and it runs on the tensor's device (on CUDA one read of the
+bytes by `jetrl.kernels.digest`; every digest of a sync comes back in one host transfer). Not
+cryptographic: it guards against bugs, not adversaries.
 
 The copy runs inside the engine (`Engine.apply`, vLLM's ``apply_model``) on an in-process engine, so
 trainer and engine tensors live in one process (colocated on one GPU, or on the CPU). vLLM-free: the
@@ -43,6 +44,8 @@ __all__ = [
     "SyncReport",
     "Placement",
     "tensor_digest",
+    "tensor_digests",
+    "DIGEST_K",
     "trainer_payload",
     "plan_sync",
     "sync_weights",
@@ -50,9 +53,8 @@ __all__ = [
 ]
 
 _MASK = (1 << 64) - 1
-_CHUNK_WORDS = 1 << 24
-# odd-multiplier generators (golden-ratio and splitmix64 constants, as signed int64)
-_K = (-7046029254386353131, -4658895280553007687, -7723592293110705685, 1442695040888963407)
+DIGEST_K = (-7046029254386353131, -4658895280553007687, -7723592293110705685, 1442695040888963407)
+"""`tensor_digest`'s odd-multiplier generators (golden-ratio and splitmix64 constants, as signed int64)."""
 
 
 class WeightSyncError(RuntimeError):
@@ -98,22 +100,49 @@ class Placement:
     scale_rows: int = 0
 
 
-def tensor_digest(t: torch.Tensor) -> str:
-    """128-bit digest of a tensor's bytes, tagged with dtype and shape (see module docstring)."""
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as 1-D int64 words, zero-padded to a multiple of 8 bytes."""
     flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
     pad = (-flat.numel()) % 8
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    words = flat.view(torch.int64)
-    h1 = torch.zeros((), dtype=torch.int64, device=t.device)
-    h2 = torch.zeros((), dtype=torch.int64, device=t.device)
-    for start in range(0, words.numel(), _CHUNK_WORDS):
-        w = words[start : start + _CHUNK_WORDS]
-        idx = torch.arange(start, start + w.numel(), dtype=torch.int64, device=t.device)
-        h1 += (w * ((idx * _K[0] + _K[1]) | 1)).sum()  # int64 arithmetic wraps: mod 2^64
-        h2 += (w * ((idx * _K[2] + _K[3]) | 1)).sum()
+    return flat.view(torch.int64)
+
+
+def _hash_pair(t: torch.Tensor) -> torch.Tensor:
+    """int64 ``[2]`` (h1, h2) of `t` on its device (no host sync): the Triton kernel on CUDA (one read
+    of the bytes), the torch reference elsewhere; the same bits either way."""
+    if t.is_cuda:
+        from jetrl.kernels.digest import launch_digest
+
+        return launch_digest(_words(t), DIGEST_K)
+    from jetrl.kernels.digest import torch_digest
+
+    return torch_digest(_words(t), DIGEST_K)
+
+
+def _format(t: torch.Tensor, h: list[int]) -> str:
     dt = str(t.dtype).removeprefix("torch.")
-    return f"{dt}{list(t.shape)}:{int(h1) & _MASK:016x}{int(h2) & _MASK:016x}"
+    return f"{dt}{list(t.shape)}:{h[0] & _MASK:016x}{h[1] & _MASK:016x}"
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """128-bit digest of a tensor's bytes, tagged with dtype and shape (see module docstring)."""
+    return _format(t, _hash_pair(t).tolist())
+
+
+def tensor_digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """`tensor_digest` of each tensor, computed on the device with one host transfer per device at
+    the end (instead of a sync per tensor)."""
+    pairs = {key: _hash_pair(t) for key, t in tensors.items()}
+    by_device: dict[torch.device, list[str]] = defaultdict(list)
+    for key, h in pairs.items():
+        by_device[h.device].append(key)
+    out = {}
+    for keys in by_device.values():
+        values = torch.stack([pairs[k] for k in keys]).tolist()
+        out.update({k: _format(tensors[k], v) for k, v in zip(keys, values, strict=True)})
+    return {key: out[key] for key in tensors}
 
 
 def trainer_payload(model: torch.nn.Module, recipe: Recipe, dtype: torch.dtype = torch.bfloat16) -> dict:
@@ -254,25 +283,25 @@ def _expected_digests(payload: dict, placements: list[Placement], recipe: Recipe
     for p in placements:
         val = payload[p.hf_name]
         if p.kind == "fp8":
-            out[f"{p.hf_name} -> {p.engine_param}"] = tensor_digest(val[0])
-            out[f"{p.hf_name}:scales -> {p.scale_param}"] = tensor_digest(val[1])
+            out[f"{p.hf_name} -> {p.engine_param}"] = val[0]
+            out[f"{p.hf_name}:scales -> {p.scale_param}"] = val[1]
         elif p.kind == "bf16":
-            out[f"{p.hf_name} -> {p.engine_param}"] = tensor_digest(val)
+            out[f"{p.hf_name} -> {p.engine_param}"] = val
     for target, parts in _naive_groups(placements).items():
         full = torch.cat([payload[p.hf_name] for p in sorted(parts, key=lambda p: p.row0)])
         q, s = naive_quantize_weight(full, recipe.rollout_weight, name=target)
-        out[f"{target} (per-tensor fp8 of {len(parts)} parts)"] = tensor_digest(q)
-        out[f"{target}:scale (per-tensor)"] = tensor_digest(s)
-    return out
+        out[f"{target} (per-tensor fp8 of {len(parts)} parts)"] = q
+        out[f"{target}:scale (per-tensor)"] = s
+    return tensor_digests(out)
 
 
 def _engine_side(model, placements: list[Placement], recipe: Recipe, payload: dict | None, digest: bool):
     """Runs inside the engine: copy `payload` (when given) into place; digest what is there if `digest`."""
-    digests = {}
+    placed = {}
 
     def put(key, t):
         if digest:
-            digests[key] = tensor_digest(t)
+            placed[key] = t
 
     with torch.no_grad():
         for p in placements:
@@ -302,6 +331,7 @@ def _engine_side(model, placements: list[Placement], recipe: Recipe, payload: di
                 sparam.data.copy_(s.reshape(sparam.shape))
             put(f"{target} (per-tensor fp8 of {len(parts)} parts)", wparam.data)
             put(f"{target}:scale (per-tensor)", sparam.data)
+        digests = tensor_digests(placed)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     return digests

@@ -50,6 +50,7 @@ def test_sweep_grids_use_only_launcher_options(bench):
         "quantize_1x128[row]": set(inspect.signature(q1.launch_quantize_1x128).parameters),
         "transpose_quantize": set(inspect.signature(tq._launch).parameters),
         "transpose_requantize": set(inspect.signature(tq._launch).parameters),
+        "digest (weight sync)": set(inspect.signature(bench.launch_digest).parameters),
         "rmsnorm_quant": {"block_m", "block_k", "num_warps", "rcp"},  # launch_rmsnorm_quant's **config
         "swiglu_quant": set(inspect.signature(sq.launch_swiglu_quant).parameters),
         "quantize_128x128": set(inspect.signature(q128.launch_quantize_128x128).parameters),
