@@ -11,7 +11,9 @@ multiple of 8 bytes), with all arithmetic mod 2^64 (int64 wraps)::
 In eager torch that is about ten elementwise passes over int64 temporaries per hash pair (0.39 s
 for the two sides of an 8B sync on the H200). Here a program reads ``BLOCK`` words once and
 writes its two partial sums; torch adds the partials (int64 addition wraps the same way, and the
-sum is order-independent mod 2^64, so the result is the reference's bit for bit).
+sum is order-independent mod 2^64, so the result is the reference's bit for bit). Measured on the
+H200: 3484 GB/s on 16384x14336 bf16 (eager torch 155; `bench_kernels.py`), and the verification of
+an 8B sync takes 0.075 s (`bench_rollout.py`).
 
 This is a utility kernel of the sync, not a ``jetrl::`` op: nothing traces it.
 """
