@@ -8,6 +8,7 @@ and the tensor.
 
 Ops (one file each): `quantize_1x128`, `quantize_128x128`, `transpose_quantize` /
 `transpose_requantize`, `rmsnorm_quant` / `rmsnorm_backward`, `swiglu_quant` / `swiglu_backward`.
+Not an op: `jetrl.kernels.digest`, the weight sync's byte digest (`jetrl.rollout.sync.tensor_digest`).
 """
 
 if __name__ != "jetrl.kernels":

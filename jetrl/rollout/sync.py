@@ -112,13 +112,9 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 def _hash_pair(t: torch.Tensor) -> torch.Tensor:
     """int64 ``[2]`` (h1, h2) of `t` on its device (no host sync): the Triton kernel on CUDA (one read
     of the bytes), the torch reference elsewhere; the same bits either way."""
-    if t.is_cuda:
-        from jetrl.kernels.digest import launch_digest
+    from jetrl.kernels.digest import launch_digest, torch_digest
 
-        return launch_digest(_words(t), DIGEST_K)
-    from jetrl.kernels.digest import torch_digest
-
-    return torch_digest(_words(t), DIGEST_K)
+    return (launch_digest if t.is_cuda else torch_digest)(_words(t), DIGEST_K)
 
 
 def _format(t: torch.Tensor, h: list[int]) -> str:
