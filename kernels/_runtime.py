@@ -15,7 +15,6 @@ not be used, which is why `check_nonfinite` raises rather than returns.
 
 from __future__ import annotations
 
-import functools
 import threading
 
 import torch
@@ -37,8 +36,6 @@ __all__ = [
     "abs_max",
     "e4m3_scale",
     "e4m3_grid",
-    "sm_count",
-    "tma_descriptor",
 ]
 
 SCALE_LAYOUTS = ("row", "deepgemm")
@@ -197,28 +194,3 @@ def count_nonfinite(x):
     floating-point comparison can be folded away by the compiler."""
     bits = x.to(tl.int32, bitcast=True) & 0x7F800000
     return tl.sum(tl.ravel(tl.where(bits == 0x7F800000, 1, 0)), axis=0)
-
-
-@functools.cache
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (the persistent kernels' grid unit)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def tma_descriptor(t: torch.Tensor, block_shape: list[int], op: str, name: str, shape=None, strides=None):
-    """A host-side TMA tensor descriptor over `t` (or the view ``shape``/``strides`` of its storage),
-    loaded/stored by the kernels in ``block_shape`` boxes; out-of-bounds boxes read zeros and clip
-    their writes. TMA needs a 16-byte-aligned base and 16-byte multiples for every stride but the
-    last (which must be 1): a tensor that breaks this raises, naming `op` and `name`."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    shape = list(t.shape if shape is None else shape)
-    strides = list(t.stride() if strides is None else strides)
-    size = t.element_size()
-    if t.data_ptr() % 16 or strides[-1] != 1 or any(st * size % 16 for st in strides[:-1]):
-        raise ValueError(
-            f"{op}: {name} cannot be read by TMA: shape {tuple(shape)}, strides {tuple(strides)}, "
-            f"{size}-byte elements at offset {t.data_ptr() % 16} (mod 16); need a 16-byte-aligned base, "
-            f"unit last stride and 16-byte-multiple other strides"
-        )
-    return TensorDescriptor(t, shape, strides, list(block_shape))

@@ -30,17 +30,7 @@ import triton.language as tl
 from jetrl import quant
 from jetrl.recipe import BLOCK, DEFAULT_EPS, E4M3_MAX
 
-from ._runtime import (
-    abs_max,
-    check_matrix,
-    count_nonfinite,
-    e4m3_grid,
-    e4m3_scale,
-    groups,
-    nonfinite_flag,
-    sm_count,
-    tma_descriptor,
-)
+from ._runtime import abs_max, check_matrix, count_nonfinite, e4m3_grid, e4m3_scale, groups, nonfinite_flag
 
 __all__ = ["quantize_128x128", "torch_quantize_128x128", "launch_quantize_128x128"]
 
@@ -106,43 +96,6 @@ def _quantize_128x128_kernel(
 
 
 @triton.jit
-def _quantize_128x128_tma_kernel(
-    w_desc,
-    q_desc,
-    qt_desc,
-    s_ptr,
-    st_ptr,
-    flag_ptr,
-    flag_slot,
-    NB,
-    KB,
-    EPS: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    BLOCK: tl.constexpr,
-    WITH_T: tl.constexpr,
-    RCP: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-):
-    # one 128x128 block per iteration through TMA: loaded whole into shared memory (padding reads 0),
-    # quantized in registers, stored from shared memory as q and, with WITH_T, transposed as q_t
-    n_bad = tl.full([], 0, tl.int32)
-    for t in tl.range(tl.program_id(0), NB * KB, tl.num_programs(0), num_stages=NUM_STAGES):
-        pid_n = t // KB
-        pid_k = t % KB
-        w = w_desc.load([pid_n * BLOCK, pid_k * BLOCK]).to(tl.float32)
-        row_amax = abs_max(w, 1)
-        s = e4m3_scale(abs_max(row_amax, 0), EPS, FP8_MAX)
-        tl.store(s_ptr + pid_n * KB + pid_k, s)
-        y = e4m3_grid(w, s, FP8_MAX, RCP).to(tl.float8e4nv)
-        q_desc.store([pid_n * BLOCK, pid_k * BLOCK], y)
-        if WITH_T:
-            tl.store(st_ptr + pid_k * NB + pid_n, s)
-            qt_desc.store([pid_k * BLOCK, pid_n * BLOCK], tl.trans(y))
-        n_bad += count_nonfinite(row_amax)
-    tl.store(flag_ptr + flag_slot, 1, mask=n_bad > 0)
-
-
-@triton.jit
 def _transpose_bytes_kernel(q_ptr, qt_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # q_t[k, n] = q[n, k] for a [BLOCK_N, BLOCK_K] tile of raw bytes
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -160,9 +113,6 @@ def launch_quantize_128x128(
     num_warps: int = 16,
     chunk_n: int = 64,
     rcp: bool = True,
-    tma: bool = False,
-    per_sm: int = 0,
-    num_stages: int = 2,
 ) -> tuple[torch.Tensor, ...]:
     """Run the Triton kernel.
 
@@ -188,29 +138,7 @@ def launch_quantize_128x128(
         assert precast.shape == (n, k) and precast.dtype == torch.float32 and precast.is_contiguous(), (
             f"{OP}: precast must be a contiguous float32 [{n}, {k}] buffer"
         )
-    if w.numel() != 0 and tma:
-        assert precast is None, f"{OP}: the TMA kernel has no precast output (tests use the pointer kernel)"
-        flag, slot = nonfinite_flag(OP, name, dev)
-        grid = min(nb * kb, per_sm * sm_count(dev)) if per_sm else nb * kb
-        _quantize_128x128_tma_kernel[(grid,)](
-            tma_descriptor(w, [BLOCK, BLOCK], OP, name),
-            tma_descriptor(q, [BLOCK, BLOCK], OP, f"{name} (bytes)"),
-            tma_descriptor(q_t, [BLOCK, BLOCK], OP, f"{name} (transposed bytes)"),
-            s,
-            s_t,
-            flag,
-            slot,
-            nb,
-            kb,
-            EPS=DEFAULT_EPS,
-            FP8_MAX=E4M3_MAX,
-            BLOCK=BLOCK,
-            WITH_T=with_transpose,
-            RCP=bool(rcp),
-            NUM_STAGES=num_stages,
-            num_warps=num_warps,
-        )
-    elif w.numel() != 0:
+    if w.numel() != 0:
         flag, slot = nonfinite_flag(OP, name, dev)
         _quantize_128x128_kernel[(nb, kb)](
             w,

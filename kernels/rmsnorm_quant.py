@@ -50,8 +50,6 @@ from ._runtime import (
     groups,
     nonfinite_flag,
     scale_buffer,
-    sm_count,
-    tma_descriptor,
     to_scale_layout,
 )
 
@@ -187,56 +185,6 @@ def _rmsnorm_quant_kernel(
 
 
 @triton.jit
-def _rmsnorm_quant_tma_kernel(
-    x_desc,
-    w_ptr,
-    y_ptr,
-    q_ptr,
-    s_ptr,
-    rstd_ptr,
-    flag_ptr,
-    flag_slot,
-    M,
-    K,
-    stride_sm,
-    stride_sg,
-    rms_eps,
-    EPS: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    GROUP: tl.constexpr,
-    RCP: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-):
-    # whole rows through TMA: x viewed as [M, K/128, 128], a [BLOCK_M, BLOCK_G, 128] box per
-    # iteration lands in shared memory (groups past K/128 and rows past M read 0), so a long row
-    # is read from HBM once without living in registers while in flight; the weight is loaded once
-    # per program; a program walks row blocks pid, pid + P, ... with the next block's load in flight
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_c = tl.arange(0, GROUP)
-    cols2 = offs_g[:, None] * GROUP + offs_c[None, :]
-    cols = cols2[None, :, :]
-    w = tl.load(w_ptr + cols2, mask=cols2 < K, other=0.0).to(tl.float32)
-    n_bad = tl.full([], 0, tl.int32)
-    for t in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.num_programs(0), num_stages=NUM_STAGES):
-        offs_m = t * BLOCK_M + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < M
-        rows = offs_m.to(tl.int64)[:, None, None]
-        mask = mask_m[:, None, None] & (cols < K)
-        x_raw = x_desc.load([t * BLOCK_M, 0, 0])
-        x = x_raw.to(tl.float32)
-        var = tl.math.div_rn(tl.sum(tl.sum(x * x, axis=2), axis=1), tl.full([BLOCK_M], K, tl.float32))
-        rstd = tl.math.rsqrt(var + rms_eps)
-        n_bad += _norm_quant_chunk(
-            x_raw, w, rstd, rows, cols, mask, offs_m, offs_g, mask_m, K, y_ptr, q_ptr, s_ptr, q_ptr,
-            stride_sm, stride_sg, EPS, FP8_MAX, GROUP, False, RCP,
-        )  # fmt: skip
-        tl.store(rstd_ptr + offs_m, rstd, mask=mask_m)
-    tl.store(flag_ptr + flag_slot, 1, mask=n_bad > 0)
-
-
-@triton.jit
 def _rmsnorm_backward_kernel(
     dy_ptr,
     x_ptr,
@@ -324,49 +272,18 @@ def launch_rmsnorm_quant(
         assert precast.shape == (m, k) and precast.dtype == torch.float32 and precast.is_contiguous(), (
             f"{OP}: precast must be a contiguous float32 [{m}, {k}] buffer"
         )
-    options = {"block_m", "block_k", "num_warps", "rcp", "tma", "per_sm", "num_stages"}
-    unknown = set(config) - options
-    assert not unknown, f"{OP}: unknown launch options {sorted(unknown)}; use {sorted(options)}"
+    unknown = set(config) - {"block_m", "block_k", "num_warps", "rcp"}
+    assert not unknown, f"{OP}: unknown launch options {sorted(unknown)}; use block_m, block_k, num_warps, rcp"
     if x.numel() == 0:
         return y, q, s, rstd
     block_m, block_k, num_warps = _fwd_config(k)
     block_m = config.get("block_m", block_m)
-    block_k = config.get("block_k", max(BLOCK, triton.next_power_of_2(k)) if config.get("tma") else block_k)
+    block_k = config.get("block_k", block_k)
     num_warps = config.get("num_warps", num_warps)
     rcp = bool(config.get("rcp", True))
     assert block_k >= BLOCK and block_k & (block_k - 1) == 0, f"{OP}: block_k={block_k}: a power of two >= {BLOCK}"
     single = block_k >= k
     flag, slot = nonfinite_flag(OP, name, dev)
-    if config.get("tma"):
-        assert precast is None, f"{OP}: the TMA kernel has no precast output (tests use the pointer kernel)"
-        assert k % BLOCK == 0 and single, f"{OP}: the TMA kernel needs K % {BLOCK} == 0 and block_k >= K"
-        g = k // BLOCK
-        n_blocks = triton.cdiv(m, block_m)
-        per_sm = config.get("per_sm", 1)
-        _rmsnorm_quant_tma_kernel[(min(n_blocks, per_sm * sm_count(dev)) if per_sm else n_blocks,)](
-            tma_descriptor(x, [block_m, block_k // BLOCK, BLOCK], OP, name, [m, g, BLOCK], [x.stride(0), BLOCK, 1]),
-            weight,
-            y,
-            q,
-            s,
-            rstd,
-            flag,
-            slot,
-            m,
-            k,
-            s.stride(0),
-            s.stride(1),
-            float(eps),
-            EPS=DEFAULT_EPS,
-            FP8_MAX=E4M3_MAX,
-            BLOCK_M=block_m,
-            BLOCK_G=block_k // BLOCK,
-            GROUP=BLOCK,
-            RCP=rcp,
-            NUM_STAGES=config.get("num_stages", 2),
-            num_warps=num_warps,
-        )
-        return y, q, s, rstd
     _rmsnorm_quant_kernel[(triton.cdiv(m, block_m),)](
         x,
         weight,

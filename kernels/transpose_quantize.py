@@ -43,17 +43,7 @@ import triton.language as tl
 from jetrl import quant
 from jetrl.recipe import BLOCK, DEFAULT_EPS, E4M3_MAX
 
-from ._runtime import (
-    abs_max,
-    check_matrix,
-    count_nonfinite,
-    e4m3_grid,
-    e4m3_scale,
-    groups,
-    nonfinite_flag,
-    sm_count,
-    tma_descriptor,
-)
+from ._runtime import abs_max, check_matrix, count_nonfinite, e4m3_grid, e4m3_scale, groups, nonfinite_flag
 
 __all__ = [
     "transpose_quantize",
@@ -139,83 +129,7 @@ def _transpose_quantize_kernel(
         tl.store(pre_ptr + dst, y, mask=mask)
 
 
-@triton.jit
-def _transpose_quantize_tma_kernel(
-    x_desc,
-    xs_ptr,
-    qt_desc,
-    st_ptr,
-    flag_ptr,
-    flag_slot,
-    M,
-    K,
-    stride_xsm,
-    stride_xsg,
-    GM,
-    EPS: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    FROM_FP8: tl.constexpr,
-    RCP: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
-):
-    # the same tiles through TMA: a [128, BLOCK_K] box loaded into shared memory (tokens past M read
-    # 0), the transposed [BLOCK_K, 128] box stored from shared memory (clipped at the edges); a
-    # program walks tiles pid, pid + P, ... so the next tile's load is in flight during this one's math
-    n_k = tl.cdiv(K, BLOCK_K)
-    n_bad = tl.full([], 0, tl.int32)
-    for t in tl.range(tl.program_id(0), GM * n_k, tl.num_programs(0), num_stages=NUM_STAGES):
-        pid_m = t % GM
-        pid_k = t // GM
-        x = x_desc.load([pid_m * GROUP, pid_k * BLOCK_K]).to(tl.float32)
-        if FROM_FP8:
-            offs_m = pid_m * GROUP + tl.arange(0, GROUP)
-            g_col = (pid_k * BLOCK_K) // GROUP
-            xs = tl.load(xs_ptr + offs_m * stride_xsm + g_col * stride_xsg, mask=offs_m < M, other=0.0)
-            x = x * xs[:, None]
-        amax = abs_max(x, 0)
-        s = e4m3_scale(amax, EPS, FP8_MAX)
-        y = e4m3_grid(x, s[None, :], FP8_MAX, RCP)
-        qt_desc.store([pid_k * BLOCK_K, pid_m * GROUP], tl.trans(y.to(tl.float8e4nv)))
-        offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-        tl.store(st_ptr + offs_k * GM + pid_m, s, mask=offs_k < K)
-        n_bad += count_nonfinite(amax)
-    tl.store(flag_ptr + flag_slot, 1, mask=n_bad > 0)
-
-
-def _launch_tma(x, xs, name, op, q_t, s_t, flag, slot, block_k, num_warps, rcp, per_sm, num_stages):
-    m, k = x.shape
-    gm = groups(m)
-    tiles = gm * triton.cdiv(k, block_k)
-    grid = min(tiles, per_sm * sm_count(x.device)) if per_sm else tiles
-    _transpose_quantize_tma_kernel[(grid,)](
-        tma_descriptor(x, [BLOCK, block_k], op, name),
-        xs if xs is not None else x,
-        tma_descriptor(q_t, [block_k, BLOCK], op, f"{name} (transposed output)"),
-        s_t,
-        flag,
-        slot,
-        m,
-        k,
-        xs.stride(0) if xs is not None else 0,
-        xs.stride(1) if xs is not None else 0,
-        gm,
-        EPS=DEFAULT_EPS,
-        FP8_MAX=E4M3_MAX,
-        GROUP=BLOCK,
-        BLOCK_K=block_k,
-        FROM_FP8=xs is not None,
-        RCP=bool(rcp),
-        NUM_STAGES=num_stages,
-        num_warps=num_warps,
-    )
-
-
-def _launch(
-    x, xs, name, op, precast, block_k=64, num_warps=2, rcp=True, k_fastest=False, trans=False, tma=False,
-    per_sm=0, num_stages=2,
-):  # fmt: skip
+def _launch(x, xs, name, op, precast, block_k=64, num_warps=2, rcp=True, k_fastest=False, trans=False):
     m, k = x.shape
     gm = groups(m)
     dev = x.device
@@ -229,10 +143,6 @@ def _launch(
     if x.numel() == 0:
         return q_t, s_t
     flag, slot = nonfinite_flag(op, name, dev)
-    if tma:
-        assert precast is None, f"{op}: the TMA kernel has no precast output (tests use the pointer kernel)"
-        _launch_tma(x, xs, name, op, q_t, s_t, flag, slot, block_k, num_warps, rcp, per_sm, num_stages)
-        return q_t, s_t
     _transpose_quantize_kernel[(gm * triton.cdiv(k, block_k),)](
         x,
         xs if xs is not None else x,

@@ -210,16 +210,6 @@ SWEEPS = {
     "quantize_128x128": _grid(num_warps=(4, 8, 16, 32), chunk_n=(16, 32, 64, 128)),
     "quantize_128x128[+T]": _grid(num_warps=(4, 8, 16), chunk_n=(16, 32, 128)),
 }
-SWEEPS_TMA = {
-    "transpose_quantize": _grid(tma=(True,), block_k=(32, 64, 128), num_warps=(2, 4, 8), per_sm=(0, 4)),
-    "transpose_requantize": _grid(tma=(True,), block_k=(64, 128), num_warps=(4, 8), per_sm=(0, 4)),
-    "quantize_128x128[+T]": _grid(tma=(True,), num_warps=(4, 8, 16), per_sm=(0, 2, 4)),
-    "quantize_128x128": _grid(tma=(True,), num_warps=(4, 8, 16), per_sm=(0, 4)),
-    "rmsnorm_quant": _grid(tma=(True,), num_warps=(8, 16, 32), per_sm=(1, 2), num_stages=(2, 3))
-    + _grid(tma=(True,), num_warps=(4, 8, 16), per_sm=(0,)),
-}
-if os.environ.get("JETRL_SWEEP_TMA"):
-    SWEEPS.update(SWEEPS_TMA)
 SWEEP_SHAPES = ((16384, 4096), (16384, 14336))
 
 
