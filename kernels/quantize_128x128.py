@@ -113,6 +113,8 @@ def launch_quantize_128x128(
     num_warps: int = 16,
     chunk_n: int = 64,
     rcp: bool = True,
+    t_block: int = 128,
+    t_warps: int = 8,
 ) -> tuple[torch.Tensor, ...]:
     """Run the Triton kernel.
 
@@ -124,7 +126,9 @@ def launch_quantize_128x128(
     the whole block in registers, one read), ``rcp`` (divide through the block's reciprocal). Defaults:
     the fastest of ``bench_kernels.py --sweep quantize_128x128`` on the H200 (sweep-5 in
     scripts/results/kernels-nvidia-h200.json: 16 warps with 64-row chunks beat the block held in
-    registers by 0-4%, timed back to back from a CUDA graph).
+    registers by 0-4%, timed back to back from a CUDA graph). ``t_block`` / ``t_warps``: the square
+    tile and warps of the byte transpose behind ``with_transpose`` (sweep-12: 128 with 8 warps beat
+    the earlier 64 with 4 warps by 2-5%).
     """
     check_matrix(w, name, OP)
     n, k = w.shape
@@ -164,8 +168,8 @@ def launch_quantize_128x128(
         )
         if with_transpose:
             # bytes transposed by a second kernel: see the module docstring for why not fused
-            _transpose_bytes_kernel[(triton.cdiv(n, 64), triton.cdiv(k, 64))](
-                q.view(torch.uint8), q_t.view(torch.uint8), n, k, BLOCK_N=64, BLOCK_K=64, num_warps=4
+            _transpose_bytes_kernel[(triton.cdiv(n, t_block), triton.cdiv(k, t_block))](
+                q.view(torch.uint8), q_t.view(torch.uint8), n, k, BLOCK_N=t_block, BLOCK_K=t_block, num_warps=t_warps
             )
     return (q, s, q_t, s_t) if with_transpose else (q, s)
 

@@ -40,7 +40,12 @@ _OPTIONS = {
         {"block_k": 128, "trans": True},
     ],
     "transpose_requantize": [{"k_fastest": True}, {"trans": True}],
-    "quantize_128x128": [{"chunk_n": 128}, {"chunk_n": 32, "num_warps": 8}, {"chunk_n": 16, "num_warps": 4}],
+    "quantize_128x128": [
+        {"chunk_n": 128},
+        {"chunk_n": 32, "num_warps": 8},
+        {"chunk_n": 16, "num_warps": 4},
+        {"t_block": 32, "t_warps": 2},
+    ],
     "swiglu_quant": [{"block_m": 8}, {"block_m": 64, "num_warps": 8}],
 }
 _SHAPES_CPU = [(13, 300), (130, 257)]
