@@ -8,13 +8,17 @@ Block quantization is transpose invariant (NUMERICS.md section 1): the bytes of 
 transpose of the bytes of ``W`` and its scale grid is the transpose of W's. DGrad needs ``W^T``
 K-major (DeepGEMM on sm_90 only has the NT layout), so ``with_transpose=True`` also returns
 ``q_t [K, N]`` and ``s_t``, with no second quantization: the quantize kernel writes ``s_t`` beside
-``s``, and a byte-transpose kernel writes ``q_t`` from ``q``.
+``s`` and, for bfloat16/float16 input, stores each chunk's bytes a second time transposed at
+``q_t[k, n]`` (one read of W, 4 bytes moved per element: 3386 GB/s at 16384x14336 on the H200,
+80% of copy).
 
-Rejected: storing each quantized tile twice (at ``[n, k]`` and at ``[k, n]``) from the same
-program. On the H200 with Triton 3.6 that miscompiles for fp32 input — 25-37% of the q_t bytes come
-out wrong (bf16/fp16 input was correct), with or without a barrier between the stores — while a
-single transposed store per kernel is correct for every dtype. The byte transpose costs one extra
-read and write of N*K bytes; weights are quantized once per optimizer step.
+For float32 input (fp8_param's fp32 master weights) that second store miscompiles on Triton 3.6:
+on the H200 25-37% of the q_t bytes come out wrong while q is right, whichever way the store is
+written (an fp8 store at ``[k, n]``, ``tl.trans`` then a row store, either on the bytes bitcast to
+uint8; with or without a barrier; sweep-15/16 in scripts/results/kernels-nvidia-h200.json). So for
+float32 a separate byte-transpose kernel writes q_t from q (one extra read and write of N*K bytes;
+weights are quantized once per optimizer step), and asking for the fused store with float32 input
+raises.
 
 Tiling: one program per 128x128 block, in two passes over CHUNK_N-row chunks (amax, then divide
 and store; the second read hits L2), which keeps registers low enough for several programs per SM
@@ -41,6 +45,7 @@ OP = "jetrl::quantize_128x128"
 def _quantize_128x128_kernel(
     w_ptr,
     q_ptr,
+    qt_ptr,
     s_ptr,
     st_ptr,
     pre_ptr,
@@ -58,9 +63,16 @@ def _quantize_128x128_kernel(
     WITH_T: tl.constexpr,
     STORE_PRECAST: tl.constexpr,
     RCP: tl.constexpr,
+    FUSED_T: tl.constexpr,
+    K_FASTEST: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    # grid (NB, KB), or (KB, NB) with K_FASTEST (consecutive programs walk along K)
+    if K_FASTEST:
+        pid_k = tl.program_id(0)
+        pid_n = tl.program_id(1)
+    else:
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
     offs_k = pid_k * BLOCK + tl.arange(0, BLOCK)
     mask_k = offs_k < K
 
@@ -91,6 +103,9 @@ def _quantize_128x128_kernel(
             w = tl.load(w_ptr + rows * stride_wn + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
         y = e4m3_grid(w, s, FP8_MAX, RCP)
         tl.store(q_ptr + rows * K + offs_k[None, :], y.to(tl.float8e4nv), mask=mask)
+        if FUSED_T:
+            # the same bytes again at q_t[k, n] (Triton stages the transposed store through shared memory)
+            tl.store(qt_ptr + offs_k.to(tl.int64)[None, :] * N + offs_n[:, None], y.to(tl.float8e4nv), mask=mask)
         if STORE_PRECAST:
             tl.store(pre_ptr + rows * K + offs_k[None, :], y, mask=mask)
 
@@ -110,9 +125,11 @@ def launch_quantize_128x128(
     with_transpose: bool = False,
     name: str = "w",
     precast: torch.Tensor | None = None,
-    num_warps: int = 16,
+    num_warps: int | None = None,
     chunk_n: int = 64,
     rcp: bool = True,
+    fused_t: bool | None = None,
+    k_fastest: bool | None = None,
     t_block: int = 128,
     t_warps: int = 8,
 ) -> tuple[torch.Tensor, ...]:
@@ -123,14 +140,28 @@ def launch_quantize_128x128(
     scales: fp32 ``[ceil(N/128), ceil(K/128)]`` contiguous; with_transpose: also s_t ``[ceil(K/128), ceil(N/128)]``.
     ``precast`` (tests only): fp32 ``[N, K]`` contiguous buffer receiving the clamped ``w / s`` before the cast.
     Tuning options (same bytes either way): ``num_warps``, ``chunk_n`` (rows per pass-1 load; 128 keeps
-    the whole block in registers, one read), ``rcp`` (divide through the block's reciprocal). Defaults:
-    the fastest of ``bench_kernels.py --sweep quantize_128x128`` on the H200 (sweep-5 in
-    scripts/results/kernels-nvidia-h200.json: 16 warps with 64-row chunks beat the block held in
-    registers by 0-4%, timed back to back from a CUDA graph). ``t_block`` / ``t_warps``: the square
-    tile and warps of the byte transpose behind ``with_transpose`` (sweep-12: 128 with 8 warps beat
-    the earlier 64 with 4 warps by 2-5%).
+    the whole block in registers, one read), ``rcp`` (divide through the block's reciprocal),
+    ``k_fastest`` (program order along K), ``fused_t`` (with_transpose only: the quantize kernel
+    stores q_t itself; on by default for bfloat16/float16 input, refused for float32, which Triton 3.6
+    miscompiles: see the module docstring), ``t_block`` / ``t_warps`` (square tile and warps of the
+    separate byte transpose used without ``fused_t``). Defaults: the fastest of ``bench_kernels.py
+    --sweep`` on the H200 (scripts/results/kernels-nvidia-h200.json): 64-row chunks; without the
+    fused store 16 warps, K-fastest (sweep-17: 3945 vs 3650 GB/s at 16384x14336); with it 8 warps,
+    N-fastest (sweep-15, sweep-17: 3393 vs 3351); byte transpose 128 with 8 warps (sweep-12).
     """
     check_matrix(w, name, OP)
+    if fused_t is None:
+        fused_t = w.dtype != torch.float32
+    if fused_t and with_transpose and w.dtype == torch.float32:
+        raise ValueError(
+            f"{OP}: fused_t=True with float32 {name}: Triton 3.6 stores wrong q_t bytes for float32 input in "
+            f"the fused kernel (measured on sm_90); use fused_t=False (the separate byte transpose)"
+        )
+    fused_t = bool(fused_t and with_transpose)
+    if num_warps is None:
+        num_warps = 8 if fused_t else 16
+    if k_fastest is None:
+        k_fastest = not fused_t
     n, k = w.shape
     nb, kb = groups(n), groups(k)
     dev = w.device
@@ -144,9 +175,10 @@ def launch_quantize_128x128(
         )
     if w.numel() != 0:
         flag, slot = nonfinite_flag(OP, name, dev)
-        _quantize_128x128_kernel[(nb, kb)](
+        _quantize_128x128_kernel[(kb, nb) if k_fastest else (nb, kb)](
             w,
             q,
+            q_t,
             s,
             s_t,
             precast if precast is not None else q,
@@ -164,10 +196,12 @@ def launch_quantize_128x128(
             RCP=bool(rcp),
             WITH_T=with_transpose,
             STORE_PRECAST=precast is not None,
+            FUSED_T=fused_t,
+            K_FASTEST=bool(k_fastest),
             num_warps=num_warps,
         )
-        if with_transpose:
-            # bytes transposed by a second kernel: see the module docstring for why not fused
+        if with_transpose and not fused_t:
+            # float32 input: the bytes transposed by a second kernel (see the module docstring)
             _transpose_bytes_kernel[(triton.cdiv(n, t_block), triton.cdiv(k, t_block))](
                 q.view(torch.uint8), q_t.view(torch.uint8), n, k, BLOCK_N=t_block, BLOCK_K=t_block, num_warps=t_warps
             )

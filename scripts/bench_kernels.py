@@ -207,9 +207,9 @@ SWEEPS = {
     "rmsnorm_quant": _grid(block_k=(2048, 4096, 16384), num_warps=(4, 8, 16))
     + _grid(block_m=(2, 4), block_k=(2048, 4096), num_warps=(8, 16)),
     "swiglu_quant": _grid(block_m=(8, 16, 32, 64), num_warps=(4, 8)),
-    "quantize_128x128": _grid(num_warps=(4, 8, 16, 32), chunk_n=(16, 32, 64, 128)),
-    "quantize_128x128[+T]": _grid(num_warps=(4, 8, 16), chunk_n=(16, 32, 128))
-    + _grid(t_block=(32, 64, 128), t_warps=(2, 4, 8)),
+    "quantize_128x128": _grid(num_warps=(4, 8, 16, 32), chunk_n=(16, 32, 64, 128), k_fastest=(False, True)),
+    "quantize_128x128[+T]": _grid(num_warps=(4, 8, 16), chunk_n=(32, 64, 128), k_fastest=(False, True))
+    + _grid(fused_t=(False,), t_block=(32, 64, 128), t_warps=(2, 4, 8)),
 }
 SWEEP_SHAPES = ((16384, 4096), (16384, 14336))
 

@@ -44,7 +44,9 @@ _OPTIONS = {
         {"chunk_n": 128},
         {"chunk_n": 32, "num_warps": 8},
         {"chunk_n": 16, "num_warps": 4},
-        {"t_block": 32, "t_warps": 2},
+        {"fused_t": False, "t_block": 32, "t_warps": 2},
+        {"k_fastest": True, "num_warps": 16},
+        {"k_fastest": False, "chunk_n": 128},
     ],
     "swiglu_quant": [{"block_m": 8}, {"block_m": 64, "num_warps": 8}],
 }

@@ -50,6 +50,16 @@ def test_cpu_rejects_bad_input():
         K.quantize_128x128(torch.randn(256))
 
 
+def test_fused_transposed_store_refused_for_float32():
+    # Triton 3.6 miscompiles the fused q_t store for float32 input (module docstring); the launcher
+    # refuses it before launching anything, naming the tensor, and float32 defaults to the byte transpose
+    import importlib
+
+    q128 = importlib.import_module("jetrl.kernels.quantize_128x128")
+    with pytest.raises(ValueError, match="fused_t=True with float32 layers.0.up_proj.weight"):
+        q128.launch_quantize_128x128(torch.randn(4, 256), True, name="layers.0.up_proj.weight", fused_t=True)
+
+
 def test_fake_impl_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
