@@ -120,7 +120,7 @@ def cases(dev):
         ("triton", "launch_quantize_1x128 (jetrl launcher)", lambda: q1.launch_quantize_1x128(x, "deepgemm", "b")),
         ("triton", "jetrl::quantize_1x128 custom op", lambda: q1.quantize_1x128(x, scale_layout="deepgemm", name="b")),
         ("triton", "launch_transpose_quantize", lambda: tq.launch_transpose_quantize(x, "bench.x")),
-        ("triton", "launch_quantize_128x128 +T (2 kernels)", lambda: q128.launch_quantize_128x128(w, True, "bench.w")),
+        ("triton", "launch_quantize_128x128 +T (bf16)", lambda: q128.launch_quantize_128x128(w, True, "bench.w")),
         ("deepgemm", "bare fp8_gemm_nt fprop", lambda: dg.fp8_gemm_nt((xq, xs), (wq, ws), d)),
         (
             "deepgemm",
