@@ -3,7 +3,8 @@
 `scripts/bench_kernels.py --sweep` picks the defaults by timing these options on the H200; whichever it
 picks must give the same outputs. Each case runs a launcher with its defaults and with the other
 values of its options (program order, tile shape, warps, the in-register transpose, a block held in
-registers): under the Triton interpreter on small hostile shapes (every output, and the bytes through
+registers, quantize_128x128's q_t stored by its own kernel or by the byte transpose): under the Triton
+interpreter on small hostile shapes (every output, and the bytes through
 a correct cast of the pre-cast values) and, on an sm_90 GPU, compiled, bit for bit, over shapes that
 mix real dims with partial groups. `rcp` has its own file (`test_rcp_division.py`).
 
