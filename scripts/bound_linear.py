@@ -2,7 +2,7 @@
 
 No GPU needed: it reads the committed results of `bench_linear.py` (the bf16 steps of each Llama-8B
 Linear, graph-timed, and the DeepGEMM kernel times of its profiled o_proj step) and of
-`bench_kernels.py` (the device copy, graph-timed), and asks how fast the FP8 fwd+bwd could be if
+`bench_kernels.py` (the fastest graph-timed device copy of its shapes), and asks how fast the FP8 fwd+bwd could be if
 every quantization pass ran at copy bandwidth. Per Linear (T tokens, W ``[N, K]``):
 
 - ``gemm_only``: fprop + dgrad at the profiled ``sm90_fp8_gemm_1d2d`` rate, wgrad at the
