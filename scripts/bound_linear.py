@@ -2,8 +2,8 @@
 
 No GPU needed: it reads the committed results of `bench_linear.py` (the bf16 steps of each Llama-8B
 Linear, graph-timed, and the DeepGEMM kernel times of its profiled o_proj step) and of
-`bench_kernels.py` (the fastest graph-timed device copy of its shapes), and asks how fast the FP8 fwd+bwd could be if
-every quantization pass ran at copy bandwidth. Per Linear (T tokens, W ``[N, K]``):
+`bench_kernels.py` (the fastest graph-timed device copy of its shapes), and asks how fast the FP8
+fwd+bwd could be if every quantization pass ran at copy bandwidth. Per Linear (T tokens, W ``[N, K]``):
 
 - ``gemm_only``: fprop + dgrad at the profiled ``sm90_fp8_gemm_1d2d`` rate, wgrad at the
   ``sm90_fp8_gemm_1d1d`` (recipe (1, 1, 128)) rate, nothing else;
@@ -23,7 +23,6 @@ import argparse
 import json
 import math
 import os
-import re
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -44,9 +43,8 @@ def gemm_rates(linear: dict) -> tuple[float, float]:
     return rates["1d2d"], rates["1d1d"]
 
 
-def bounds(linear: dict, copy_gbps: float) -> list[dict]:
+def bounds(linear: dict, copy_gbps: float, fwd_tflops: float, wgrad_tflops: float) -> list[dict]:
     """Per Linear case: the three bounds and the measured graph-timed speedup."""
-    fwd_tflops, wgrad_tflops = gemm_rates(linear)
     bw = copy_gbps * 1e9
     out = []
     for c in linear["linears"]:
@@ -73,7 +71,7 @@ def geomean(values) -> float:
 def summarize(linear: dict, kernels: dict) -> dict:
     copy = max(r["graph_gbps"] for r in kernels["rows"] if r["kernel"].startswith("copy"))
     fwd, wgrad = gemm_rates(linear)
-    rows = bounds(linear, copy)
+    rows = bounds(linear, copy, fwd, wgrad)
     keys = ("gemm_only", "separate", "favorable", "measured_graph")
     return {
         "gpu": linear["gpu"],
@@ -92,7 +90,7 @@ def summarize(linear: dict, kernels: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--gpu", default="nvidia-h200", help="results slug (default %(default)s)")
+    ap.add_argument("--gpu", default="nvidia-h200", help="the results files' GPU slug (default %(default)s)")
     ap.add_argument("--out", default=RESULTS)
     args = ap.parse_args()
     with open(os.path.join(RESULTS, f"linear-{args.gpu}.json")) as f:
@@ -116,8 +114,7 @@ def main() -> None:
         f"{'geomean':10s} {'':6s} {g['gemm_only']:9.2f} {g['separate']:9.2f} {g['favorable']:9.2f} "
         f"{g['measured_graph']:9.2f}   (goal {result['goal']})"
     )
-    slug = re.sub(r"[^a-z0-9]+", "-", args.gpu.lower()).strip("-")
-    path = os.path.join(args.out, f"linear-bound-{slug}.json")
+    path = os.path.join(args.out, f"linear-bound-{args.gpu}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {path}")
