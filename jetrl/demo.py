@@ -61,6 +61,8 @@ def closing_report(summaries: list[dict[str, Any]], comparison: dict[str, Any] |
             f"{_fmt(s['mismatch_logp_abs_diff_mean'], '.2e'):>14}{_fmt(s['mismatch_logp_abs_diff_max'], '.2e'):>13}"
             f"{_fmt(s['mismatch_is_ratio_mean'], '.4f'):>10}{split:>24}{_fmt(s['wall_s'], '.0f') + 's':>8}"
         )
+    paths = sorted({s["numerics_path"]["text"] for s in summaries if s.get("numerics_path")})
+    lines += ["", *(f"trainer numerics: {p}" for p in paths)] if paths else []
     if comparison is not None:
         ok = "PASS" if comparison["pass"] else "FAIL"
         lines += [

@@ -47,6 +47,7 @@ __all__ = [
     "layer_mode",
     "stock_vllm_settings",
     "stock_block_fp8_unavailable_reason",
+    "vllm_cpu_attention_isa",
 ]
 
 _log = logging.getLogger(__name__)
@@ -150,6 +151,15 @@ def stock_vllm_settings(recipe: Recipe | str) -> tuple[dict[str, Any], dict[str,
 
     online = "fp8_per_tensor" if "fp8_per_tensor" in QUANTIZATION_METHODS else "fp8"
     return {"dtype": "bfloat16", "quantization": online}, {}
+
+
+def vllm_cpu_attention_isa(head_dim: int, block_size: int) -> str:
+    """The CPU attention implementation vLLM picks for a BF16 model with this head size and KV block size
+    (vLLM's own rule, ``cpu_attn._get_attn_isa``; it reads the same ``torch.cpu`` probes as the kernel
+    loader)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(torch.bfloat16, block_size, head_dim)
 
 
 def _checkpoint_quant_config(model_path: str) -> dict | None:
@@ -294,6 +304,14 @@ class Engine:
     def apply(self, fn: Callable[[Any], Any]) -> list[Any]:
         """Run ``fn(model)`` on the model in every worker (vLLM ``LLM.apply_model``); one result per worker."""
         return self.llm.apply_model(fn)
+
+    def cpu_attention_isas(self) -> set[str]:
+        """The CPU attention ISA of every attention layer of the live engine (empty on a GPU engine)."""
+
+        def _isas(model) -> set[str]:
+            return {m.isa for m in model.modules() if isinstance(getattr(m, "isa", None), str)}
+
+        return set().union(*self.apply(_isas))
 
     def param_info(self) -> dict[str, ParamInfo]:
         """Every engine parameter's shape, dtype, vocab flag and jetrl mode (from worker 0)."""

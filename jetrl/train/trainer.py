@@ -32,7 +32,7 @@ import json
 import math
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -198,11 +198,29 @@ class Trainer:
             **r.engine_kwargs,
         )
         self.log(f"engine: {self.engine.quantization or 'bf16'} started in {self.engine.start_seconds:.1f}s")
+        self._check_numerics_path()
         if cfg.lint.enabled:
             self._lint()
         rep = self._sync()
         self.log(f"initial sync: {rep.bytes / 2**20:.2f} MiB, {rep.n_params} tensors, digests equal")
         self.setup_s = time.perf_counter() - t0
+
+    def _check_numerics_path(self) -> None:
+        """``model.numerics: vllm-cpu``: say which vLLM CPU kernels the trainer matches, and say loudly when
+        it does not (an engine path jetrl does not reproduce, or an attention ISA other than predicted)."""
+        path = getattr(self, "numerics_path", None)
+        if path is None:
+            return
+        live = self.engine.cpu_attention_isas()
+        if live and live != {path.attention_isa}:
+            why = f"the engine runs attention {sorted(live)}, the trainer matched {path.attention_isa!r}"
+            self.numerics_path = path = replace(path, matched=False, reason=why)
+        self.log(f"trainer numerics: {path.describe()}")
+        if not path.matched:
+            self.log(
+                "WARNING: model.numerics='vllm-cpu' cannot reproduce this engine's kernels here; trainer and "
+                f"rollout log-probs will differ by more than the FP8 recipe's own rounding ({path.reason})"
+            )
 
     def _lint(self) -> None:
         from jetrl.lint.api import lint
@@ -247,7 +265,7 @@ class Trainer:
         if cfg.model.numerics == "vllm-cpu":
             from jetrl.rollout.engine_match import match_vllm_cpu
 
-            match_vllm_cpu(model)
+            self.numerics_path = match_vllm_cpu(model)
         return model.eval()
 
     # ------------------------------------------------------------------ rollout
@@ -558,4 +576,10 @@ class Trainer:
             "setup_s": getattr(self, "setup_s", None),
             "converted_linears": len(self.conversion.converted_names()) if hasattr(self, "conversion") else None,
             "finite": all(math.isfinite(r["reward/mean"]) for r in rows),
+            "numerics": self.cfg.model.numerics,
+            "numerics_path": (
+                {**asdict(self.numerics_path), "text": self.numerics_path.describe()}
+                if getattr(self, "numerics_path", None)
+                else None
+            ),
         }

@@ -22,6 +22,7 @@ from jetrl.convert import convert_model
 from jetrl.gemm import quantize as gq
 from jetrl.linear import JetFP8Linear
 from jetrl.testing.numerics import has_sm90, sqnr_db
+from jetrl.testing.subprocess_guard import HANG_GUARD_S
 
 
 class _Passthrough(TorchFunctionMode):
@@ -120,7 +121,7 @@ def test_linear_through_the_launchers_is_bitwise_the_custom_op_path():
             env={**os.environ, "TRITON_INTERPRET": "1"},
             capture_output=True,
             text=True,
-            timeout=600,
+            timeout=HANG_GUARD_S,
         )
         assert proc.returncode == 0, f"interpreter subprocess failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}"
         results = torch.load(dst, weights_only=False)

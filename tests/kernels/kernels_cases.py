@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 import torch
 
+from jetrl.testing.subprocess_guard import HANG_GUARD_S
+
 # Real model dims (Llama-8B hidden 4096, Qwen 5120, Llama-8B MLP 14336) beside hostile ones:
 # M = 1 / 13 / 4095 (not a multiple of 128 or 4), K with partial last groups.
 GPU_SHAPES = [
@@ -121,7 +123,7 @@ def assert_close_ulps(name: str, got: torch.Tensor, want: torch.Tensor, ulps: fl
         )
 
 
-def run_interpreted(calls: list[tuple[str, str, tuple, dict]], timeout: float = 300.0) -> list[dict]:
+def run_interpreted(calls: list[tuple[str, str, tuple, dict]]) -> list[dict]:
     """Run ``jetrl.kernels.<module>.<function>(*args, **kwargs)`` for each call under the Triton
     interpreter in a subprocess. Returns per call ``{"out": ..., "args": ..., "nonfinite": str|None}``."""
     with tempfile.TemporaryDirectory() as d:
@@ -129,7 +131,7 @@ def run_interpreted(calls: list[tuple[str, str, tuple, dict]], timeout: float = 
         torch.save(calls, src)
         env = {**os.environ, "TRITON_INTERPRET": "1"}
         proc = subprocess.run(
-            [sys.executable, __file__, src, dst], env=env, capture_output=True, text=True, timeout=timeout
+            [sys.executable, __file__, src, dst], env=env, capture_output=True, text=True, timeout=HANG_GUARD_S
         )
         if proc.returncode != 0:
             pytest.fail(f"interpreter subprocess failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}")

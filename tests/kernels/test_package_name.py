@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from jetrl.testing.subprocess_guard import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -28,5 +30,5 @@ assert torch._library.custom_ops.OPDEFS["jetrl::quantize_1x128"]._init_fn is bef
 assert jetrl.kernels.quantize_1x128.__module__ == "jetrl.kernels.quantize_1x128"
 print("ok")
 """
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

@@ -10,6 +10,7 @@ import pytest
 
 from jetrl.cli import main as jetrl_main
 from jetrl.lint.cli import build_parser, main
+from jetrl.testing.subprocess_guard import HANG_GUARD_S
 
 from .conftest import BLOCK_FP8_CONFIG, COMPATIBLE_ENV, vllm_available
 
@@ -88,7 +89,7 @@ def test_live_engine_cli_in_a_fresh_process_keeps_stdout_json_only(tiny_ckpt):
     """The real entry point end to end: vLLM's own logging must not reach stdout (--json parses), and
     the naive per-tensor rollout of a BF16 trainer exits 1 naming the first layer."""
     argv = [sys.executable, "-m", "jetrl.cli", "lint", "--model", str(tiny_ckpt), "--recipe", "naive-fp8-rollout"]
-    proc = subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 1, proc.stderr[-2000:]
     report = json.loads(proc.stdout)
     assert {(f["code"], f["tensor"]) for f in report["findings"]} == {

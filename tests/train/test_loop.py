@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from jetrl.testing.subprocess_guard import HANG_GUARD_S
 from jetrl.train.checkpoint import latest_step
 from jetrl.train.metrics import REQUIRED_KEYS, read_metrics
 
@@ -129,7 +130,9 @@ def test_kill_and_resume_continues_the_metric_stream(out_dir, tmp_path):
     assert latest_step(run / "checkpoints") == 2
     assert len(before) >= 3
 
-    res = subprocess.run(_train_cmd(cfg_path, "--resume"), capture_output=True, text=True, env=env, timeout=180)
+    res = subprocess.run(
+        _train_cmd(cfg_path, "--resume"), capture_output=True, text=True, env=env, timeout=HANG_GUARD_S
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     after = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in after] == [1, 2, 3, 4, 5]
@@ -140,7 +143,7 @@ def test_kill_and_resume_continues_the_metric_stream(out_dir, tmp_path):
     assert latest_step(run / "checkpoints") == 5
     # resuming with a changed config is refused, naming the field -- never a silent restart
     res = subprocess.run(
-        _train_cmd(cfg_path, "--resume", "optim.lr=1.0"), capture_output=True, text=True, env=env, timeout=120
+        _train_cmd(cfg_path, "--resume", "optim.lr=1.0"), capture_output=True, text=True, env=env, timeout=HANG_GUARD_S
     )
     assert res.returncode == 1 and "optim.lr" in res.stderr
 
