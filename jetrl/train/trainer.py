@@ -238,6 +238,23 @@ class Trainer:
             probe=probe,
             backend=self.cfg.run.gemm_backend,
         )
+        path = getattr(self, "numerics_path", None)
+        if path is not None and not path.matched:
+            from jetrl.lint.report import Finding, Severity
+
+            report.findings.append(
+                Finding(
+                    Severity.WARNING,
+                    "numerics-path",
+                    f"model.numerics='vllm-cpu' does not reproduce this engine's kernels: {path.reason}",
+                    rollout_module="model.layers.*.self_attn.attn",
+                    training_module="model.layers.*.self_attn",
+                    tensor="attention",
+                    expected="vllm-cpu kernels jetrl reproduces (_C / _C_AVX512 / _C_AVX2, attention vec/vec16)",
+                    found=path.describe(),
+                    fix="run on an x86 CPU without AMX, or expect trainer/rollout drift from the non-Linear ops",
+                )
+            )
         (self.run_dir / "lint.json").write_text(report.to_json())
         self.log(f"lint ({time.perf_counter() - t0:.1f}s): {'consistent' if report.ok else 'VIOLATIONS'}")
         if not report.ok:
