@@ -150,10 +150,14 @@ def group_advantages(
     g = _check_groups(scores, group_size, "group_advantages").to(torch.float32)
     if group_size == 1:
         return torch.zeros_like(g).reshape(-1)
-    mean = g.mean(dim=1, keepdim=True)
+    # Each group reduced as a 1-D tensor, as verl does: torch's CPU std of a 1-D tensor and its std along
+    # dim 1 of [B, G] round differently (~1 in 10 groups by an ulp or more), so one batched reduction
+    # would not give verl's advantages bit for bit. B small reductions cost microseconds each.
+    rows = g.unbind(0)
+    mean = torch.stack([r.mean() for r in rows]).unsqueeze(1)
     adv = g - mean
     if norm_by_std:
-        denom = g.std(dim=1, keepdim=True) + eps
+        denom = torch.stack([r.std() for r in rows]).unsqueeze(1) + eps
         # a group of equal rewards is centred to exactly 0; keep it 0 even with eps=0
         adv = torch.where(denom > 0, adv / torch.where(denom > 0, denom, 1.0), torch.zeros_like(adv))
     return adv.reshape(-1)
