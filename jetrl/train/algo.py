@@ -43,8 +43,9 @@ Deliberate differences (each pinned by a test):
 - Masked (padding) positions never reach the arithmetic: every token-level input is replaced by 0
   where ``mask`` is 0 before it is used, so NaN, inf or 1e30 there changes neither the loss nor any
   gradient (the gradient at a masked position is exactly 0). verl only filters the token-mean sum:
-  its ``seq-mean-*`` modes multiply by the mask (``NaN * 0 = NaN``) and its gradients meet
-  ``0 * NaN`` in ``exp``'s backward. On finite inputs the results are bitwise verl's.
+  its ``seq-mean-*`` modes multiply by the mask (``NaN * 0 = NaN``), and garbage advantages or IS
+  weights there give NaN gradients even in token-mean (``0 * NaN`` in the product's backward). On
+  finite inputs the results are bitwise verl's.
 - An empty selection raises (`masked_mean`, `aggregate_loss`) instead of verl's silent
   ``0 / (0 + 1e-8)`` or ``0 / 0``.
 - A group of one sample gets advantage 0 (verl: ``r / (1 + eps)``, mean 0 and std 1 by convention), and
