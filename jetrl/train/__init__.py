@@ -3,7 +3,8 @@
 Pieces (each usable alone; the algorithm and the task are pure functions a verl worker can import):
 
 - `jetrl.train.algo`: group advantages, dynamic-sampling filter, overlong penalty, clipped surrogate with
-  clip-higher and loss aggregation modes, truncated IS weights, trainer/rollout mismatch metrics, pass@k.
+  clip-higher and dual-clip, verl's loss aggregation modes and KL kinds (bitwise verl 0.9.1's
+  ``core_algos`` on finite inputs), truncated IS weights, trainer/rollout mismatch metrics, pass@k.
 - `jetrl.train.task`: the synthetic arithmetic task and its verifiable reward (`compute_score` has verl's
   reward-function signature).
 - `jetrl.train.config`: frozen dataclasses loaded from YAML/JSON; `jetrl.train.checks`: what cannot run here.

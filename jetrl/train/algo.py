@@ -24,6 +24,38 @@ DAPO (Yu et al. 2025) changes four things, each a separate function or option he
 4. Overlong reward shaping: a soft length penalty in the last ``buffer_len`` tokens before the
    response budget (`overlong_penalty`).
 
+Same algorithm as verl 0.9.1 (``verl.trainer.ppo.core_algos``), so the local trainer and the verl path
+train alike; ``tests/verl/test_algo_parity.py`` compares these functions with verl's on identical inputs,
+bitwise. Taken from verl:
+
+- Dual-clip PPO (Ye et al. 2020, verl's ``clip_ratio_c``, default 3; DAPO recipes use 10): for a
+  negative advantage the per-token loss is also capped at ``-A * clip_ratio_c``, so a token whose ratio
+  exploded cannot push an arbitrarily large negative update.
+- The log-ratio ``logp - old_logp`` (and, for the k3 KL, ``ref_logp - logp``) is clamped to
+  ``[-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] = [-20, 20]`` before ``exp``, so ratios stay finite
+  (``exp(20) = 4.9e8``) and a clamped token gets no gradient instead of ``0 * inf = NaN``.
+- verl's five loss aggregation modes (`LOSS_AGG_MODES`), its KL kinds and names (`KL_TYPES`, incl.
+  the ``+`` straight-through variants), GRPO's outcome advantage with ``norm_adv_by_std_in_grpo`` and
+  ``epsilon`` (`group_advantages`).
+
+Deliberate differences (each pinned by a test):
+
+- Masked (padding) positions never reach the arithmetic: every token-level input is replaced by 0
+  where ``mask`` is 0 before it is used, so NaN, inf or 1e30 there changes neither the loss nor any
+  gradient (the gradient at a masked position is exactly 0). verl only filters the token-mean sum:
+  its ``seq-mean-*`` modes multiply by the mask (``NaN * 0 = NaN``), and garbage advantages or IS
+  weights there give NaN gradients even in token-mean (``0 * NaN`` in the product's backward). On
+  finite inputs the results are bitwise verl's.
+- An empty selection raises (`masked_mean`, `aggregate_loss`) instead of verl's silent
+  ``0 / (0 + 1e-8)`` or ``0 / 0``.
+- A group of one sample gets advantage 0 (verl: ``r / (1 + eps)``, mean 0 and std 1 by convention), and
+  a group of equal rewards gets 0 even with ``eps = 0`` (verl: ``0 / 0 = NaN``).
+- ``clip_ratio_c=None`` turns dual-clip off (verl always applies it and asserts ``clip_ratio_c > 1``).
+- The ``+`` (straight-through) KL kinds are written so that their value and gradient stay finite where
+  verl's ``0.5 * d**2`` overflows to inf (``|d| > 2.6e19``, which then gives NaN); elsewhere bitwise verl's.
+- Single process: no ``dp_size`` factor; `aggregate_loss`'s ``num_tokens`` / ``num_seqs`` are verl's
+  ``batch_num_tokens`` / ``global_batch_size`` (the mini-batch's totals).
+
 Trainer/rollout mismatch (``../shared/NUMERICS.md`` section 5): for each response token,
 ``d = logp_trainer - logp_rollout`` where ``logp_trainer`` is the trainer's log-prob with the weights
 the rollout engine sampled from. `mismatch_metrics` reports ``mean |d|``, ``max |d|`` and the
@@ -50,22 +82,47 @@ __all__ = [
     "aggregate_loss",
     "policy_loss",
     "truncated_is_weights",
+    "LOG_RATIO_CLAMP",
+    "CLIP_RATIO_C",
     "KL_TYPES",
     "kl_penalty",
     "mismatch_metrics",
     "pass_at_k",
 ]
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-"""``token-mean``: sum over all tokens / number of tokens (DAPO). ``seq-mean-token-mean``: per
-sequence token mean, then mean over sequences (GRPO). ``seq-mean-token-sum``: per sequence token sum,
-then mean over sequences."""
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+"""verl's loss aggregation modes (`aggregate_loss`), over response tokens only:
 
-KL_TYPES = ("k1", "abs", "k2", "k3")
-"""Per-token estimators of KL(policy || reference) from sampled tokens, ``d = logp - ref_logp``:
-``k1`` = d (unbiased, high variance, can be negative), ``abs`` = ``|d|``, ``k2`` = ``d^2 / 2``,
-``k3`` = ``exp(-d) - 1 + d`` (unbiased, non-negative, low variance; verl's ``low_var_kl``, GRPO's KL
-term), clamped to [-10, 10] as verl does so one wild token cannot dominate the loss."""
+- ``token-mean``: sum over all tokens / number of tokens (DAPO).
+- ``token-sum``: sum over all tokens.
+- ``seq-mean-token-mean``: per sequence token mean, then mean over sequences (GRPO).
+- ``seq-mean-token-sum``: per sequence token sum, then mean over sequences.
+- ``seq-mean-token-sum-norm``: ``seq-mean-token-sum`` divided by a constant ``loss_scale_factor``
+  (Dr. GRPO; verl's default is the response width of the tensor, ``mask.shape[-1]``).
+
+A sequence without response tokens does not count in the default number of sequences (verl)."""
+
+_KL_BASE = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl")
+KL_TYPES = _KL_BASE + tuple(k + "+" for k in _KL_BASE)
+"""verl's per-token estimators of KL(policy || reference) from sampled tokens (`kl_penalty`), with
+``d = logp - ref_logp``: ``k1`` (alias ``kl``) = ``d`` (unbiased, high variance, can be negative),
+``abs`` = ``|d|``, ``k2`` (alias ``mse``) = ``d^2 / 2``, ``k3`` (alias ``low_var_kl``, GRPO's KL term) =
+``exp(c) - c - 1`` with ``c = clamp(-d, -20, 20)`` (unbiased, non-negative, low variance), clamped to
+[-10, 10] so one wild token cannot dominate the loss. A trailing ``+`` (``k3+``) keeps the value of
+the estimator but takes the gradient of ``k2`` (straight-through; k2's gradient is the unbiased KL
+gradient)."""
+
+LOG_RATIO_CLAMP = 20.0
+"""verl clamps log-ratios to ``[-20, 20]`` before ``exp`` (PPO ratio, k3 KL)."""
+
+CLIP_RATIO_C = 3.0
+"""verl's default dual-clip bound ``clip_ratio_c``."""
+
+
+def _zero_masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` with 0 wherever ``mask`` is 0: whatever sits at padding positions (NaN, inf, 1e30) is not
+    used, and no gradient reaches it (``torch.where``'s backward is 0 on the unselected side)."""
+    return torch.where(mask.to(torch.bool), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def _check_groups(scores: torch.Tensor, group_size: int, name: str) -> torch.Tensor:
@@ -79,18 +136,29 @@ def _check_groups(scores: torch.Tensor, group_size: int, name: str) -> torch.Ten
 def group_advantages(
     scores: torch.Tensor, group_size: int, *, norm_by_std: bool = True, eps: float = 1e-6
 ) -> torch.Tensor:
-    """GRPO outcome advantages: ``(r - group mean) / (group std + eps)`` per sample.
+    """GRPO outcome advantages: ``(r - group mean) / (group std + eps)`` per sample (verl's
+    ``compute_grpo_outcome_advantage`` with ``epsilon=eps``, ``norm_adv_by_std_in_grpo=norm_by_std``;
+    ``norm_by_std=False`` only centres, Dr. GRPO). ``std`` is the unbiased estimate.
 
-    Input: scores ``[B*G]`` (group-major). Output: ``[B*G]`` float32. A group of one sample gets
-    advantage 0 (mean 0, std 1 by convention, as verl). ``std`` is the unbiased estimate.
+    Input: scores ``[B*G]`` (group-major; verl's scores are its token-level rewards summed over the
+    response). Output: ``[B*G]`` float32, one per sequence (verl broadcasts it over the response mask).
+    Deliberately unlike verl: a group of one sample gets advantage 0, as ``r - mean`` is 0 for it (verl:
+    mean 0 and std 1 by convention, i.e. ``r / (1 + eps)``), and a group of equal rewards gets exactly
+    0 even with ``eps = 0`` (verl: ``0 / 0 = NaN``).
     """
+    if eps < 0 or not math.isfinite(eps):
+        raise ValueError(f"group_advantages: eps={eps} must be finite and >= 0")
     g = _check_groups(scores, group_size, "group_advantages").to(torch.float32)
     if group_size == 1:
         return torch.zeros_like(g).reshape(-1)
-    mean = g.mean(dim=1, keepdim=True)
+    # Each group reduced as a 1-D tensor, as verl does: torch's CPU std of a 1-D tensor and its std along
+    # dim 1 of [B, G] round differently (~1 in 10 groups by an ulp or more), so one batched reduction
+    # would not give verl's advantages bit for bit. B small reductions cost microseconds each.
+    rows = g.unbind(0)
+    mean = torch.stack([r.mean() for r in rows]).unsqueeze(1)
     adv = g - mean
     if norm_by_std:
-        denom = g.std(dim=1, keepdim=True) + eps
+        denom = torch.stack([r.std() for r in rows]).unsqueeze(1) + eps
         # a group of equal rewards is centred to exactly 0; keep it 0 even with eps=0
         adv = torch.where(denom > 0, adv / torch.where(denom > 0, denom, 1.0), torch.zeros_like(adv))
     return adv.reshape(-1)
@@ -135,40 +203,65 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (x * mask).sum()
+    """Sum of `x` where ``mask`` is 1 (masked positions are ignored, whatever they hold)."""
+    return (_zero_masked(x, mask) * mask.to(x.dtype)).sum()
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of `x` where ``mask`` is 1; raises on an empty mask (a batch with no response tokens)."""
+    """Mean of `x` where ``mask`` is 1; raises on an empty mask (a batch with no response tokens) where
+    verl's ``masked_mean`` returns ``0 / (0 + 1e-8)``."""
     n = mask.sum()
     if float(n) == 0:
         raise ValueError("masked_mean: mask selects no element (no response tokens in the batch)")
-    return (x * mask).sum() / n
+    return masked_sum(x, mask) / n
 
 
 def aggregate_loss(
-    loss: torch.Tensor, mask: torch.Tensor, mode: str, *, num_tokens: float | None = None, num_seqs: float | None = None
+    loss: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    *,
+    num_tokens: float | None = None,
+    num_seqs: float | None = None,
+    loss_scale_factor: float | None = None,
 ) -> torch.Tensor:
-    """Reduce a per-token loss ``[N, T]`` to a scalar (see `LOSS_AGG_MODES`).
+    """Reduce a per-token loss ``[N, T]`` to a scalar (see `LOSS_AGG_MODES`), as verl's ``agg_loss``.
 
     `num_tokens` / `num_seqs` override the denominators so that micro-batches of one mini-batch sum to
-    the mini-batch's loss (pass the mini-batch's totals; the default is this tensor's own).
+    the mini-batch's loss (pass the mini-batch's totals, verl's ``batch_num_tokens`` and
+    ``global_batch_size``); the defaults are this tensor's own response tokens and its sequences that
+    have at least one. `loss_scale_factor` is the divisor of ``seq-mean-token-sum-norm`` (default
+    ``T = mask.shape[-1]``, as verl; pass a constant when micro-batches differ in width). Values at
+    masked positions are ignored (0 gradient), unlike verl's ``seq-mean-*`` modes where NaN there leaks.
     """
     if loss.shape != mask.shape or loss.dim() != 2:
         raise ValueError(f"aggregate_loss: loss {tuple(loss.shape)} and mask {tuple(mask.shape)} must be equal [N, T]")
-    mask = mask.to(loss.dtype)
-    if mode == "token-mean":
-        denom = float(mask.sum()) if num_tokens is None else float(num_tokens)
-        if denom == 0:
-            raise ValueError("aggregate_loss: no response tokens (token-mean over an empty mask)")
-        return (loss * mask).sum() / denom
-    per_seq = (loss * mask).sum(dim=1)
-    if mode == "seq-mean-token-mean":
-        per_seq = per_seq / mask.sum(dim=1).clamp_min(1.0)
-    elif mode != "seq-mean-token-sum":
+    if mode not in LOSS_AGG_MODES:
         raise ValueError(f"aggregate_loss: unknown mode {mode!r}; choose one of {LOSS_AGG_MODES}")
-    denom = float(loss.shape[0]) if num_seqs is None else float(num_seqs)
-    return per_seq.sum() / denom
+    m = mask.to(loss.dtype)
+    masked = _zero_masked(loss, mask) * m
+    if mode in ("token-mean", "token-sum"):
+        total = masked.sum()
+        if mode == "token-sum":
+            return total
+        denom = float(m.sum()) if num_tokens is None else float(num_tokens)
+        if denom <= 0:
+            raise ValueError(f"aggregate_loss: token-mean over {denom:g} response tokens (empty mask or num_tokens)")
+        return total / denom
+    per_seq = masked.sum(dim=1)
+    tokens = m.sum(dim=1)
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / tokens.clamp_min(1.0)  # a row without tokens sums to 0: it adds 0
+    denom = float((tokens > 0).sum()) if num_seqs is None else float(num_seqs)
+    if denom <= 0:
+        raise ValueError(f"aggregate_loss: {mode} over {denom:g} sequences (no row has a response token, or num_seqs)")
+    out = per_seq.sum() / denom
+    if mode == "seq-mean-token-sum-norm":
+        scale = float(mask.shape[-1]) if loss_scale_factor is None else float(loss_scale_factor)
+        if not scale > 0:
+            raise ValueError(f"aggregate_loss: loss_scale_factor={loss_scale_factor} must be > 0")
+        out = out / scale
+    return out
 
 
 def policy_loss(
@@ -180,42 +273,66 @@ def policy_loss(
     clip_low: float,
     clip_high: float,
     loss_agg: str,
+    clip_ratio_c: float | None = CLIP_RATIO_C,
     is_weights: torch.Tensor | None = None,
     num_tokens: float | None = None,
     num_seqs: float | None = None,
+    loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped surrogate with asymmetric (clip-higher) bounds.
+    """PPO clipped surrogate with asymmetric (clip-higher) bounds and dual-clip, as verl's ``vanilla``
+    policy loss (``compute_policy_loss_vanilla``).
 
-    ``ratio = exp(logp - old_logp)``; per token ``max(-A * ratio, -A * clip(ratio, 1 - clip_low,
-    1 + clip_high))``, optionally times detached importance weights (TIS), reduced by `aggregate_loss`.
+    ``ratio = exp(clamp(logp - old_logp, -20, 20))``; per token ``L = max(-A * ratio, -A * clip(ratio,
+    1 - clip_low, 1 + clip_high))``, and for ``A < 0`` also ``L = min(L, -A * clip_ratio_c)`` (dual-clip;
+    ``None`` = off); optionally times detached importance weights (TIS); reduced by `aggregate_loss`.
+    Inputs at masked positions are replaced by 0 first (see the module docstring).
 
     Input: logp, old_logp, mask ``[N, T]``; advantages ``[N]`` (one per sequence) or ``[N, T]``.
     Output: (scalar loss with grad through `logp`, stats): ``clip_frac`` = fraction of response tokens
-    whose clipped term was the active one, ``ratio_mean`` / ``ratio_max``, ``approx_kl`` (mean of
-    ``old_logp - logp``).
+    whose clipped term was the active one (verl's ``pg_clipfrac``), ``clip_frac_lower`` = fraction where
+    the dual-clip bound was (``pg_clipfrac_lower``), ``ratio_mean`` / ``ratio_max``, ``approx_kl`` (mean
+    of the clamped ``old_logp - logp``, verl's ``ppo_kl``).
     """
     if not (0.0 <= clip_low < 1.0) or clip_high < 0.0:
         raise ValueError(f"policy_loss: clip_low={clip_low} must be in [0, 1) and clip_high={clip_high} >= 0")
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"policy_loss: clip_ratio_c={clip_ratio_c} must be > 1 (the dual-clip bound) or None (off)")
     if logp.shape != old_logp.shape or logp.shape != mask.shape:
         raise ValueError(
             f"policy_loss: logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)}, mask {tuple(mask.shape)} differ"
         )
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
-    adv = advantages.to(torch.float32).expand_as(logp)
+    if advantages.shape not in ((logp.shape[0], 1), logp.shape):
+        raise ValueError(
+            f"policy_loss: advantages {tuple(advantages.shape)} fit neither [N] nor logp {tuple(logp.shape)}"
+        )
     mask_f = mask.to(torch.float32)
-    log_ratio = logp - old_logp.detach()
+    adv = _zero_masked(advantages.to(torch.float32).expand_as(logp), mask)
+    log_ratio = _zero_masked(logp, mask) - _zero_masked(old_logp.detach(), mask)
+    log_ratio = torch.clamp(log_ratio, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     pg = torch.maximum(pg_unclipped, pg_clipped)
+    lower = torch.zeros_like(pg)
+    if clip_ratio_c is not None:
+        pg_dual = -adv * clip_ratio_c
+        with torch.no_grad():
+            lower = (torch.gt(pg, pg_dual) & (adv < 0)).to(torch.float32)
+        pg = torch.where(adv < 0, torch.minimum(pg_dual, pg), pg)
     if is_weights is not None:
-        pg = pg * is_weights.detach().to(pg.dtype)
-    loss = aggregate_loss(pg, mask_f, loss_agg, num_tokens=num_tokens, num_seqs=num_seqs)
+        if is_weights.shape != logp.shape:
+            raise ValueError(f"policy_loss: is_weights {tuple(is_weights.shape)} and logp {tuple(logp.shape)} differ")
+        pg = pg * _zero_masked(is_weights.detach().to(pg.dtype), mask)
+    loss = aggregate_loss(
+        pg, mask_f, loss_agg, num_tokens=num_tokens, num_seqs=num_seqs, loss_scale_factor=loss_scale_factor
+    )
     with torch.no_grad():
-        clipped = (pg_clipped > pg_unclipped).to(torch.float32)
+        clipped = torch.gt(pg_clipped, pg_unclipped).to(torch.float32)
         stats = {
             "clip_frac": float(masked_mean(clipped, mask_f)),
+            "clip_frac_lower": float(masked_mean(lower, mask_f)),
             "ratio_mean": float(masked_mean(ratio, mask_f)),
             "ratio_max": float(ratio.masked_fill(mask_f == 0, -math.inf).max()),
             "approx_kl": float(masked_mean(-log_ratio, mask_f)),
@@ -231,23 +348,41 @@ def truncated_is_weights(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor,
     return torch.exp(trainer_logp.detach() - rollout_logp.detach()).clamp(max=cap)
 
 
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL(policy || reference) estimate ``[N, T]`` (see `KL_TYPES`), differentiable in `logp`.
+def kl_penalty(
+    logp: torch.Tensor, ref_logp: torch.Tensor, kind: str, *, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per-token KL(policy || reference) estimate ``[N, T]`` (see `KL_TYPES`), differentiable in `logp`,
+    as verl's ``kl_penalty`` (``actor.kl_loss_type``).
 
-    GRPO's loss adds ``kl_coef * aggregate(kl_penalty(logp, ref_logp, "k3"))``; the reference is the
-    policy at RL start and gets no gradient."""
+    GRPO's loss adds ``kl_coef * aggregate_loss(kl_penalty(logp, ref_logp, "k3", mask=mask), mask, ...)``;
+    the reference is the policy at RL start and gets no gradient. With `mask`, both inputs are 0 at
+    masked positions (so is the estimate), whatever they held, and no gradient reaches those positions.
+    """
     if logp.shape != ref_logp.shape:
         raise ValueError(f"kl_penalty: logp {tuple(logp.shape)} and ref_logp {tuple(ref_logp.shape)} differ")
-    d = logp - ref_logp.detach()
-    if kind == "k1":
-        return d
-    if kind == "abs":
-        return d.abs()
-    if kind == "k2":
-        return 0.5 * d.square()
-    if kind == "k3":
-        return (torch.exp(-d) - 1.0 + d).clamp(-10.0, 10.0)
-    raise ValueError(f"kl_penalty: unknown kind {kind!r}; choose one of {KL_TYPES}")
+    if kind not in KL_TYPES:
+        raise ValueError(f"kl_penalty: unknown kind {kind!r}; choose one of {KL_TYPES}")
+    ref_logp = ref_logp.detach()
+    if mask is not None:
+        if mask.shape != logp.shape:
+            raise ValueError(f"kl_penalty: mask {tuple(mask.shape)} and logp {tuple(logp.shape)} differ")
+        logp, ref_logp = _zero_masked(logp, mask), _zero_masked(ref_logp, mask)
+    base = kind.removesuffix("+")
+    if base in ("k1", "kl"):
+        value = logp - ref_logp
+    elif base == "abs":
+        value = (logp - ref_logp).abs()
+    elif base in ("k2", "mse"):
+        return 0.5 * (logp - ref_logp).square()  # k2's own gradient: "+" changes nothing
+    else:  # k3 / low_var_kl
+        c = torch.clamp(ref_logp - logp, min=-LOG_RATIO_CLAMP, max=LOG_RATIO_CLAMP)
+        value = torch.clamp(torch.exp(c) - c - 1, min=-10.0, max=10.0)
+    if not kind.endswith("+"):
+        return value
+    # straight-through: the value of `value`, the gradient of k2 (d(d^2/2)/dlogp = d). verl writes it as
+    # k2 - k2.detach() + value.detach(), which overflows (inf - inf) for |d| > 2.6e19; this form does not.
+    d = (logp - ref_logp).detach()
+    return value.detach() + d * (logp - logp.detach())
 
 
 def mismatch_metrics(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

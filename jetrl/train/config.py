@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -153,9 +154,21 @@ class RolloutConfig:
 
 _ALGO_PRESETS: dict[str, dict[str, Any]] = {
     "grpo": dict(
-        clip_low=0.2, clip_high=0.2, loss_agg="seq-mean-token-mean", dynamic_sampling=False, overlong_buffer=0
+        clip_low=0.2,
+        clip_high=0.2,
+        clip_ratio_c=3.0,
+        loss_agg="seq-mean-token-mean",
+        dynamic_sampling=False,
+        overlong_buffer=0,
     ),
-    "dapo": dict(clip_low=0.2, clip_high=0.28, loss_agg="token-mean", dynamic_sampling=True, overlong_buffer=2),
+    "dapo": dict(
+        clip_low=0.2,
+        clip_high=0.28,
+        clip_ratio_c=10.0,
+        loss_agg="token-mean",
+        dynamic_sampling=True,
+        overlong_buffer=2,
+    ),
 }
 
 
@@ -167,8 +180,19 @@ class AlgoConfig:
     """Lower PPO clip: ratio >= 1 - clip_low."""
     clip_high: float = 0.2
     """Upper PPO clip: ratio <= 1 + clip_high (DAPO clip-higher: 0.28)."""
+    clip_ratio_c: float | None = 3.0
+    """Dual-clip PPO bound (verl's ``actor.clip_ratio_c``, default 3; the DAPO preset, like verl's DAPO
+    recipes: 10): for a negative advantage the per-token loss is capped at ``-A * clip_ratio_c``. Must be
+    > 1; null turns dual-clip off (jetrl only: verl always applies it)."""
     loss_agg: str = "seq-mean-token-mean"
-    """Loss aggregation (`jetrl.train.algo.LOSS_AGG_MODES`); DAPO: 'token-mean'."""
+    """Loss aggregation (`jetrl.train.algo.LOSS_AGG_MODES`, verl's ``actor.loss_agg_mode``): 'token-mean'
+    (DAPO), 'token-sum', 'seq-mean-token-mean' (GRPO), 'seq-mean-token-sum', 'seq-mean-token-sum-norm'
+    (Dr. GRPO: the token sums divided by `loss_scale_factor`)."""
+    loss_scale_factor: int | None = None
+    """Divisor of 'seq-mean-token-sum-norm' (verl's ``actor.loss_scale_factor``). null = rollout.max_tokens,
+    the response budget. Deliberately unlike verl, whose null means each micro-batch's padded response
+    width: jetrl trims micro-batches to their longest sequence, so that width would make the gradient
+    depend on how the batch is split."""
     norm_adv_by_std: bool = True
     """Divide group-centred rewards by the group std (False = Dr. GRPO)."""
     dynamic_sampling: bool = False
@@ -200,9 +224,11 @@ class AlgoConfig:
     """Weight of the KL penalty to the reference policy (the model at RL start, run in the recipe's
     precision) added to the loss; 0 = off, no reference model is built (DAPO drops the KL term)."""
     kl_type: str = "k3"
-    """KL estimator (`jetrl.train.algo.KL_TYPES`): 'k3' (verl's low_var_kl, GRPO's), 'k1', 'abs', 'k2'."""
+    """KL estimator (`jetrl.train.algo.KL_TYPES`, verl's ``actor.kl_loss_type`` names): 'k3' = 'low_var_kl'
+    (GRPO's), 'k1' = 'kl', 'abs', 'k2' = 'mse'; a trailing '+' (e.g. 'k3+') keeps the value and takes
+    k2's gradient (straight-through)."""
     eps: float = 1e-6
-    """Added to the group std."""
+    """Added to the group std (verl's ``epsilon`` of the GRPO advantage); >= 0."""
 
     @staticmethod
     def preset(name: str) -> AlgoConfig:
@@ -438,6 +464,12 @@ def _check_values(cfg: TrainConfig) -> None:
         raise _fail("algo.kl_coef", f"must be >= 0, got {a.kl_coef}")
     if a.kl_type not in KL_TYPES:
         raise _fail("algo.kl_type", f"{a.kl_type!r}: choose one of {list(KL_TYPES)}")
+    if a.clip_ratio_c is not None and not a.clip_ratio_c > 1.0:
+        raise _fail("algo.clip_ratio_c", f"must be > 1 (the dual-clip bound) or null (off), got {a.clip_ratio_c}")
+    if a.loss_scale_factor is not None and a.loss_scale_factor < 1:
+        raise _fail("algo.loss_scale_factor", f"must be >= 1 or null (= rollout.max_tokens), got {a.loss_scale_factor}")
+    if not 0.0 <= a.eps < math.inf:
+        raise _fail("algo.eps", f"must be finite and >= 0, got {a.eps}")
     if o.lr <= 0:
         raise _fail("optim.lr", f"must be > 0, got {o.lr}")
     if w.steps and w.lr <= 0:

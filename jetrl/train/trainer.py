@@ -400,7 +400,11 @@ class Trainer:
         is_w = algo.truncated_is_weights(old_lp, batch.rollout_logp, a.tis_cap) if a.tis_cap else None
         adv = algo.group_advantages(ro.rewards, g, norm_by_std=a.norm_adv_by_std, eps=a.eps).to(self.device)
         gen = torch.Generator().manual_seed(_seed_of(self.cfg.run.seed, step, 99))
-        stats = {"clip_frac": 0.0, "approx_kl": 0.0, "kl": 0.0, "ratio_max": 0.0, "pg_loss": 0.0, "tokens": 0.0}
+        stats = dict.fromkeys(
+            ("clip_frac", "clip_frac_lower", "approx_kl", "kl", "ratio_max", "pg_loss", "tokens"), 0.0
+        )
+        # seq-mean-token-sum-norm divides by a constant: micro-batches are trimmed to different widths
+        scale = a.loss_scale_factor if a.loss_scale_factor is not None else self.cfg.rollout.max_tokens
         norms = []
         n_micro, real_slots, padded_slots = 0, 0, 0
         n_mb = min(a.mini_batches, n_groups)
@@ -425,22 +429,24 @@ class Trainer:
                         sub.mask,
                         clip_low=a.clip_low,
                         clip_high=a.clip_high,
+                        clip_ratio_c=a.clip_ratio_c,
                         loss_agg=a.loss_agg,
                         is_weights=None if is_w is None else is_w[mb, :t],
                         num_tokens=num_tokens,
                         num_seqs=len(idx),
+                        loss_scale_factor=scale,
                     )
                     st["pg_loss"] = float(loss.detach())
                     if ref_lp is not None:
-                        kl = algo.kl_penalty(lp, ref_lp[mb, :t], a.kl_type)
+                        kl = algo.kl_penalty(lp, ref_lp[mb, :t], a.kl_type, mask=sub.mask)
                         kl_loss = algo.aggregate_loss(
-                            kl, sub.mask, a.loss_agg, num_tokens=num_tokens, num_seqs=len(idx)
+                            kl, sub.mask, a.loss_agg, num_tokens=num_tokens, num_seqs=len(idx), loss_scale_factor=scale
                         )
                         loss = loss + a.kl_coef * kl_loss
                         st["kl"] = float(algo.masked_mean(kl.detach(), sub.mask))
                     loss.backward()
                     n_tok = float(sub.mask.sum())
-                    for k in ("clip_frac", "approx_kl", "kl"):
+                    for k in ("clip_frac", "clip_frac_lower", "approx_kl", "kl"):
                         stats[k] += st.get(k, 0.0) * n_tok
                     stats["ratio_max"] = max(stats["ratio_max"], st["ratio_max"])
                     stats["pg_loss"] += st["pg_loss"]
@@ -450,6 +456,7 @@ class Trainer:
         out.update(
             {
                 "actor/clip_frac": stats["clip_frac"] / tok,
+                "actor/clip_frac_lower": stats["clip_frac_lower"] / tok,
                 "actor/approx_kl": stats["approx_kl"] / tok,
                 "actor/ratio_max": stats["ratio_max"],
                 "actor/pg_loss": stats["pg_loss"] / max(1, len(norms)),

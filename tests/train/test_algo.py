@@ -148,3 +148,154 @@ def test_kl_penalty_hand_values_and_gradients():
         algo.kl_penalty(logp, ref, "low_var")
     with pytest.raises(ValueError, match="differ"):
         algo.kl_penalty(logp, ref[:, :2], "k3")
+
+
+# --- verl alignment (issue 16.5): dual-clip, log-ratio clamp, garbage at masked positions -------------
+
+GARBAGE = (math.nan, math.inf, -math.inf, 1e30, -1e30)
+
+
+def _batch(seed: int = 0, n: int = 6, t: int = 9):
+    """Random log-probs / advantages over ragged rows (one row with no response token at all)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([t, 1, 0, 5, t - 2, 3][:n])
+    mask = (torch.arange(t)[None, :] < lengths[:, None]).to(torch.float32)
+    old = -torch.rand(n, t, generator=g) * 3
+    logp = old + torch.randn(n, t, generator=g) * 0.5
+    adv = torch.randn(n, generator=g)
+    is_w = torch.rand(n, t, generator=g) + 0.5
+    return logp, old, adv, is_w, mask
+
+
+def _poison(x: torch.Tensor, mask: torch.Tensor, seed: int) -> torch.Tensor:
+    """`x` with garbage (NaN, +-inf, +-1e30, cycling) at every masked position."""
+    vals = torch.tensor(GARBAGE, dtype=x.dtype)
+    pick = vals[(torch.arange(x.numel()) + seed) % len(vals)].reshape(x.shape)
+    return torch.where(mask.bool(), x, pick)
+
+
+@pytest.mark.parametrize("mode", algo.LOSS_AGG_MODES)
+@pytest.mark.parametrize("clip_ratio_c", [3.0, None], ids=["dual-clip", "no-dual-clip"])
+def test_policy_loss_ignores_garbage_at_masked_positions(mode, clip_ratio_c):
+    logp, old, adv, is_w, mask = _batch()
+    tok_adv = adv[:, None] * mask
+
+    def run(lp, o, a, w):
+        lp = lp.clone().requires_grad_(True)
+        loss, st = algo.policy_loss(
+            lp, o, a, mask, clip_low=0.2, clip_high=0.28, clip_ratio_c=clip_ratio_c, loss_agg=mode, is_weights=w
+        )
+        loss.backward()
+        return loss.detach(), lp.grad, st
+
+    clean = run(logp, old, tok_adv, is_w)
+    for seed in range(len(GARBAGE)):
+        got = run(*(_poison(x, mask, seed + i) for i, x in enumerate((logp, old, tok_adv, is_w))))
+        assert torch.equal(got[0], clean[0]), f"{mode=} {seed=}: loss {got[0]} != {clean[0]}"
+        assert torch.isfinite(got[1]).all(), f"{mode=} {seed=}: non-finite grad {got[1]}"
+        assert torch.equal(got[1], clean[1]) and not got[1][mask == 0].any(), f"{mode=} {seed=}"
+        assert got[2] == clean[2]
+    assert torch.isfinite(clean[0]) and clean[1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("kind", algo.KL_TYPES)
+def test_kl_penalty_ignores_garbage_at_masked_positions(kind):
+    logp, ref, _, _, mask = _batch(seed=1)
+
+    def run(lp, r):
+        lp = lp.clone().requires_grad_(True)
+        kl = algo.kl_penalty(lp, r, kind, mask=mask)
+        loss = algo.aggregate_loss(kl, mask, "seq-mean-token-mean")
+        loss.backward()
+        return kl.detach(), loss.detach(), lp.grad
+
+    clean = run(logp, ref)
+    for seed in range(len(GARBAGE)):
+        kl, loss, grad = run(_poison(logp, mask, seed), _poison(ref, mask, seed + 2))
+        assert torch.equal(kl, clean[0]) and not kl[mask == 0].any(), f"{kind=} {seed=}"
+        assert torch.equal(loss, clean[1]) and torch.equal(grad, clean[2]), f"{kind=} {seed=}"
+        assert torch.isfinite(grad).all() and not grad[mask == 0].any(), f"{kind=} {seed=}"
+
+
+@pytest.mark.parametrize("kind", ["k3", "low_var_kl", "k3+", "k1+", "abs+"])
+def test_kl_penalty_extreme_real_values_stay_finite(kind):
+    """The k3 log-ratio is clamped to [-20, 20] before exp (verl): |d| = 100 or 1e30 at real tokens gives
+    the clamped value 10 and a zero gradient, not exp(100) = inf and 0 * inf = NaN. The straight-through
+    '+' kinds keep a finite value and k2's gradient d."""
+    d = torch.tensor([[100.0, -100.0, 1e30, -1e30, 0.5]])
+    ref = torch.full_like(d, -1.0)
+    logp = (ref + d).requires_grad_(True)
+    kl = algo.kl_penalty(logp, ref, kind)
+    kl.sum().backward()
+    assert torch.isfinite(kl).all() and torch.isfinite(logp.grad).all(), (kl, logp.grad)
+    if kind in ("k3", "low_var_kl"):
+        assert kl[0, :4].tolist() == [10.0] * 4 and not logp.grad[0, :4].any()
+    if kind.endswith("+"):
+        torch.testing.assert_close(logp.grad, (logp - ref).detach(), rtol=0, atol=0)
+
+
+def test_policy_loss_dual_clip_hand_values():
+    # A<0: ratio 5 -> capped at -A*c = 3 (no gradient); ratio 2 -> 2 (< 3, plain PPO); A>0: ratio 5 -> 1+ch
+    ratio = torch.tensor([[5.0, 2.0, 5.0]])
+    adv = torch.tensor([[-1.0, -1.0, 1.0]])
+    old, mask = torch.zeros(1, 3), torch.ones(1, 3)
+    logp = torch.log(ratio).requires_grad_(True)
+    loss, st = algo.policy_loss(
+        logp, old, adv, mask, clip_low=0.2, clip_high=0.28, clip_ratio_c=3.0, loss_agg="token-sum"
+    )
+    assert float(loss.detach()) == pytest.approx(3.0 + 2.0 - 1.28)
+    assert st["clip_frac_lower"] == pytest.approx(1 / 3) and st["clip_frac"] == pytest.approx(1 / 3)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 2.0, 0.0]]))
+    # off: the A<0 token at ratio 5 pays its full ratio
+    off, st = algo.policy_loss(
+        logp, old, adv, mask, clip_low=0.2, clip_high=0.28, clip_ratio_c=None, loss_agg="token-sum"
+    )
+    assert float(off.detach()) == pytest.approx(5.0 + 2.0 - 1.28) and st["clip_frac_lower"] == 0.0
+    # verl's default is 3; the bound must exceed 1
+    dflt, _ = algo.policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, loss_agg="token-sum")
+    assert torch.equal(dflt, loss)
+    with pytest.raises(ValueError, match="clip_ratio_c=1.0"):
+        algo.policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.2, clip_ratio_c=1.0, loss_agg="token-mean")
+
+
+def test_policy_loss_clamps_log_ratio_before_exp():
+    """logp - old_logp = +-50 is clamped to +-20 (verl): ratio exp(20) is finite and the clamped tokens
+    get no gradient; without the clamp exp(100) would be inf and the A<0 loss inf."""
+    logp = torch.tensor([[50.0, -50.0, 100.0]]).requires_grad_(True)
+    old, mask = torch.zeros(1, 3), torch.ones(1, 3)
+    adv = torch.tensor([[-1.0, 1.0, -1.0]])
+    loss, st = algo.policy_loss(
+        logp, old, adv, mask, clip_low=0.2, clip_high=0.2, clip_ratio_c=None, loss_agg="token-sum"
+    )
+    big = math.exp(20.0)
+    assert float(loss.detach()) == pytest.approx(big - 0.8 + big, rel=1e-6)
+    assert st["ratio_max"] == pytest.approx(big, rel=1e-6) and st["approx_kl"] == pytest.approx(-20 / 3)
+    loss.backward()
+    assert torch.equal(logp.grad, torch.zeros(1, 3))
+
+
+def test_aggregate_loss_verl_modes_hand_values():
+    loss = torch.tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 0.0, 0.0, 0.0], [9.0, 9.0, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    # the empty third row is not a sequence of the default denominator (verl), its 9s never count
+    assert float(algo.aggregate_loss(loss, mask, "token-sum")) == 10.0
+    assert float(algo.aggregate_loss(loss, mask, "seq-mean-token-sum")) == 5.0
+    assert float(algo.aggregate_loss(loss, mask, "seq-mean-token-mean")) == 3.0
+    assert float(algo.aggregate_loss(loss, mask, "seq-mean-token-sum-norm")) == 5.0 / 4  # T = 4
+    assert float(algo.aggregate_loss(loss, mask, "seq-mean-token-sum-norm", loss_scale_factor=10)) == 0.5
+    assert float(algo.aggregate_loss(loss, mask, "seq-mean-token-sum", num_seqs=5)) == 2.0
+    for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        with pytest.raises(ValueError, match=mode):
+            algo.aggregate_loss(loss, torch.zeros_like(mask), mode)
+    with pytest.raises(ValueError, match="loss_scale_factor=0"):
+        algo.aggregate_loss(loss, mask, "seq-mean-token-sum-norm", loss_scale_factor=0)
+
+
+def test_group_advantages_deliberate_differences_from_verl():
+    """A group of one gets 0 (verl: r / (1 + eps)); equal rewards get 0 even with eps = 0 (verl: NaN)."""
+    r = torch.tensor([3.0, -2.0])
+    assert torch.equal(algo.group_advantages(r, 1), torch.zeros(2))
+    assert torch.equal(algo.group_advantages(torch.ones(4), 4, eps=0.0), torch.zeros(4))
+    with pytest.raises(ValueError, match="eps=-1"):
+        algo.group_advantages(r, 2, eps=-1.0)

@@ -40,7 +40,12 @@ def test_defaults_and_presets():
         ({"algo": {"micro_batch_tokens": -64}}, "algo.micro_batch_tokens"),
         ({"algo": {"micro_batch_tokens": 8}}, "algo.micro_batch_tokens"),  # < rollout.max_tokens + 1 = 9
         ({"algo": {"micro_batch_tokens": 1.5}}, "algo.micro_batch_tokens"),
-        ({"algo": {"kl_type": "low_var_kl"}}, "algo.kl_type"),
+        ({"algo": {"kl_type": "k4"}}, "algo.kl_type"),
+        ({"algo": {"clip_ratio_c": 1.0}}, "algo.clip_ratio_c"),
+        ({"algo": {"clip_ratio_c": "three"}}, "algo.clip_ratio_c"),
+        ({"algo": {"loss_scale_factor": 0}}, "algo.loss_scale_factor"),
+        ({"algo": {"loss_scale_factor": 2.5}}, "algo.loss_scale_factor"),
+        ({"algo": {"eps": -1e-6}}, "algo.eps"),
         ({"model": {"fuse_producers": True}, "run": {"recipe": "bf16"}}, "model.fuse_producers"),
         ({"model": {"fuse_producers": True, "numerics": "vllm-cpu"}}, "model.fuse_producers"),
         ({"optim": {"betas": [0.9]}}, "optim.betas"),
@@ -56,6 +61,17 @@ def test_bad_config_names_field(raw, field):
     with pytest.raises(ConfigError) as ei:
         config_from_dict(raw)
     assert str(ei.value).startswith(field + ":"), str(ei.value)
+
+
+def test_verl_algo_knobs():
+    """verl's names and defaults: dual-clip 3 (GRPO) / 10 (DAPO), every loss_agg_mode and KL kind."""
+    grpo, dapo = config_from_dict({}).algo, config_from_dict({"algo": {"name": "dapo"}}).algo
+    assert (grpo.clip_ratio_c, dapo.clip_ratio_c, grpo.loss_scale_factor) == (3.0, 10.0, None)
+    assert config_from_dict({"algo": {"clip_ratio_c": None}}).algo.clip_ratio_c is None
+    for mode in ("token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        assert config_from_dict({"algo": {"loss_agg": mode, "loss_scale_factor": 8}}).algo.loss_agg == mode
+    for kind in ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k3+", "low_var_kl+"):
+        assert config_from_dict({"algo": {"kl_type": kind}}).algo.kl_type == kind
 
 
 def test_micro_batch_tokens():

@@ -242,7 +242,9 @@ def test_token_budget_micro_batches(out_dir):
             return 1.0
 
         tr.opt.step = capture
-        for loss_agg in ("seq-mean-token-mean", "token-mean"):
+        # seq-mean-token-sum-norm divides by algo.loss_scale_factor (null: rollout.max_tokens), a constant,
+        # where verl's default, each micro-batch's padded width, would change with the partition
+        for loss_agg in ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"):
             parts = {}
             for name, algo_over in {
                 "one per mini-batch": {"micro_batch_size": 64, "micro_batch_tokens": None},
