@@ -114,3 +114,36 @@ class ArithmeticTask:
             o = self.ops[k]
             out.append(Problem(prompt=f"{x}{o}{y}=", answer=str(_OPS[o](x, y))))
         return out
+
+
+INSTRUCTION = "Compute the result. Reply with the number only."
+"""Put before each problem in the verl rows of the task (a chat model needs to be told the format)."""
+
+
+def verl_rows(task: ArithmeticTask, split: str, n: int, *, batch: int = 256) -> list[dict]:
+    """`n` problems of the task as verl RL rows (``data_source = DATA_SOURCE``): ``train`` draws the RL
+    stream, ``test`` the evaluation stream, `batch` problems per stream index (deterministic)."""
+    from jetrl.tasks.rows import chat_prompt, verl_row
+
+    streams = {"train": Stream.RL, "test": Stream.EVAL}
+    if split not in streams:
+        raise ValueError(f"arithmetic split {split!r}: choose from {sorted(streams)}")
+    if n <= 0 or batch <= 0:
+        raise ValueError(f"arithmetic rows: n={n} and batch={batch} must be > 0")
+    problems: list[Problem] = []
+    index = 0
+    while len(problems) < n:
+        problems += task.problems(streams[split], index, min(batch, n - len(problems)))
+        index += 1
+    return [
+        verl_row(
+            data_source=DATA_SOURCE,
+            prompt=chat_prompt(f"{INSTRUCTION}\n{p.prompt}"),
+            ability="arithmetic",
+            ground_truth=p.answer,
+            index=i,
+            split=split,
+            extra={"problem": p.prompt},
+        )
+        for i, p in enumerate(problems)
+    ]

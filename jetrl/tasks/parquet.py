@@ -21,8 +21,11 @@ where it came from (file or dataset, split and row number).
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import random
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +45,8 @@ __all__ = [
     "write_parquet",
     "read_parquet",
     "prepare",
+    "default_out_dir",
+    "main",
 ]
 
 Record = tuple[str, dict[str, Any]]
@@ -223,3 +228,49 @@ def prepare(
         path = write_parquet(rows, Path(out_dir) / f"{split}.parquet")
         summary["splits"][split] = {"rows": len(rows), "skipped": len(bad), "skipped_rows": bad, "path": str(path)}
     return summary
+
+
+def default_out_dir(name: str) -> Path:
+    """``$DATA_DIR/<name>`` (``DATA_DIR`` defaults to ``~/data/jetrl``, as in the recipes)."""
+    return Path(os.environ.get("DATA_DIR") or Path.home() / "data" / "jetrl") / name
+
+
+def main(name: str, argv: list[str] | None = None) -> int:
+    """The ``scripts/data/<name>.py`` command line: prepare one dataset of `DATASETS`."""
+    spec = DATASETS[name]
+    p = argparse.ArgumentParser(
+        prog=f"scripts/data/{name}.py",
+        description=f"Write verl parquet ({{train,test}}.parquet) for {spec.hf_path}.",
+    )
+    p.add_argument("--local-dir", help="read files already downloaded here instead of the HF hub")
+    p.add_argument("--out-dir", help=f"output folder (default $DATA_DIR/{name}, DATA_DIR defaulting to ~/data/jetrl)")
+    p.add_argument(
+        "--skip-malformed", action="store_true", help="leave malformed rows out (counted) instead of failing"
+    )
+    if "test" not in spec.source_splits:
+        p.add_argument("--test-size", type=int, default=500, help="rows held out as the test split (default 500)")
+        p.add_argument("--seed", type=int, default=0, help="seed of the held-out draw (default 0)")
+    p.add_argument("--max-rows", type=int, help="keep only the first N rows of each source split (a quick trial)")
+    args = p.parse_args(argv)
+    out_dir = Path(args.out_dir) if args.out_dir else default_out_dir(name)
+    try:
+        summary = prepare(
+            spec,
+            out_dir,
+            local_dir=args.local_dir,
+            skip_malformed=args.skip_malformed,
+            test_size=getattr(args, "test_size", 500),
+            seed=getattr(args, "seed", 0),
+            max_rows=args.max_rows,
+        )
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    for split, s in summary["splits"].items():
+        print(
+            f"{name} {split}: {s['rows']} rows -> {s['path']}"
+            + (f" ({s['skipped']} malformed rows left out)" if s["skipped"] else "")
+        )
+        for msg in s["skipped_rows"]:
+            print(f"  skipped: {msg}", file=sys.stderr)
+    return 0
