@@ -130,3 +130,10 @@ def test_reward_files_use_absolute_imports():
     for path in sorted(REWARD_FILE.parent.glob("*.py")):
         text = path.read_text()
         assert "from ." not in text and "import ." not in text, f"{path.name}: relative import"
+
+
+def test_unboxed_answer_is_read_from_the_tail_only():
+    filler = " and so on" * (math_task.NO_BOX_TAIL_CHARS // 10 + 10)
+    assert compute_score("math", "we get $x = 3.5$" + filler, "\\frac72")["acc"] == 0.0
+    assert compute_score("math", filler + " we get $x = 3.5$", "\\frac72")["acc"] == 1.0
+    assert compute_score("math", "\\boxed{3.5}" + filler, "\\frac72")["acc"] == 1.0  # a box is found anywhere

@@ -150,3 +150,22 @@ def test_arithmetic_rows_score_with_the_reward(tmp_path):
         assert compute_score(r["data_source"], gt, gt)["score"] == 1.0
     with pytest.raises(DataError, match="no rows"):
         write_parquet([], tmp_path / "empty.parquet")
+
+
+def test_read_hub_asks_datasets_for_the_split(monkeypatch, tmp_path):
+    """The online path (no network here): `read_hub` calls datasets.load_dataset(path, name, split=...)."""
+    datasets = pytest.importorskip("datasets")
+    from jetrl.tasks.parquet import read_hub
+
+    calls = []
+
+    def fake_load_dataset(path, name=None, split=None):
+        calls.append((path, name, split))
+        return datasets.Dataset.from_list([GSM8K_RAW, GSM8K_RAW])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    records = read_hub(DATASETS["gsm8k"], "test")
+    assert calls == [("openai/gsm8k", "main", "test")]
+    assert [w for w, _ in records] == ["openai/gsm8k test row 0", "openai/gsm8k test row 1"]
+    summary = prepare(DATASETS["gsm8k"], tmp_path)  # no local_dir: the hub reader
+    assert summary["splits"]["train"]["rows"] == 2 and calls[-1] == ("openai/gsm8k", "main", "test")
