@@ -41,7 +41,12 @@ class Problem:
     prompt: str
     """Text the policy is conditioned on, e.g. ``"37+45="``."""
     answer: str
-    """Ground-truth response text, e.g. ``"82"``."""
+    """Ground-truth response text, e.g. ``"82"`` (a parquet row's ``reward_model.ground_truth``)."""
+    data_source: str = DATA_SOURCE
+    """Which scorer of `jetrl.tasks.reward` grades it."""
+    messages: tuple[tuple[str, str], ...] | None = None
+    """(role, content) chat messages of a parquet row, rendered with the model's chat template; None:
+    `prompt` is the text."""
 
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -100,6 +105,10 @@ class ArithmeticTask:
             cands += [_OPS[o](a, b) for a in (lo, hi) for b in (lo, hi)]
         return max(len(str(c)) for c in cands)
 
+    def score_response(self, response: str, problem: Problem) -> float:
+        """The reward of `response` to `problem` (`score`)."""
+        return score(response, problem.answer)
+
     def problems(self, stream: Stream | int, index: int, n: int, *, round_: int = 0) -> list[Problem]:
         """The `n` problems of batch `index` of `stream` (deterministic). `round_` > 0 draws the extra
         batches of DAPO dynamic sampling for the same step (round 0 is the step's own batch)."""
@@ -138,7 +147,7 @@ def verl_rows(task: ArithmeticTask, split: str, n: int, *, batch: int = 256) -> 
     return [
         verl_row(
             data_source=DATA_SOURCE,
-            prompt=chat_prompt(f"{INSTRUCTION}\n{p.prompt}"),
+            prompt=chat_prompt(f"{INSTRUCTION} {p.prompt}"),
             ability="arithmetic",
             ground_truth=p.answer,
             index=i,
