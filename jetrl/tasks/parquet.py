@@ -136,7 +136,13 @@ def read_hub(spec: DatasetSpec, split: str) -> list[Record]:
     """Every row of `split` of `spec` read with ``datasets.load_dataset`` (needs the network or HF's cache)."""
     import datasets
 
-    ds = datasets.load_dataset(spec.hf_path, spec.hf_name, split=split)
+    try:
+        ds = datasets.load_dataset(spec.hf_path, spec.hf_name, split=split)
+    except (ConnectionError, OSError) as e:  # no network and no HF cache: say what to do instead
+        raise DataError(
+            f"{spec.hf_path}: cannot read split {split!r} from the HF hub ({type(e).__name__}: {e}); without "
+            "network access, download the dataset files and pass --local-dir"
+        ) from e
     return [(f"{spec.hf_path} {split} row {n}", dict(raw)) for n, raw in enumerate(ds)]
 
 

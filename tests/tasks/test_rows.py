@@ -169,3 +169,15 @@ def test_read_hub_asks_datasets_for_the_split(monkeypatch, tmp_path):
     assert [w for w, _ in records] == ["openai/gsm8k test row 0", "openai/gsm8k test row 1"]
     summary = prepare(DATASETS["gsm8k"], tmp_path)  # no local_dir: the hub reader
     assert summary["splits"]["train"]["rows"] == 2 and calls[-1] == ("openai/gsm8k", "main", "test")
+
+
+def test_read_hub_offline_says_use_local_dir(monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    from jetrl.tasks.parquet import read_hub
+
+    def offline(*a, **k):
+        raise ConnectionError("Couldn't reach 'zwhe99/DeepMath-103K' on the Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(DataError, match="zwhe99/DeepMath-103K: cannot read split 'train' .*pass --local-dir"):
+        read_hub(DATASETS["deepmath"], "train")
