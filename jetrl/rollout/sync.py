@@ -157,9 +157,13 @@ def trainer_payload(model: torch.nn.Module, recipe: Recipe, dtype: torch.dtype =
                 "run jetrl.convert.convert_model(model, recipe) first"
             )
     out: dict = dict(fp8)
+    seen: set[int] = set()  # a tied lm_head shares embed_tokens' Parameter: sent once, under its first name
     with torch.no_grad():
         for mname, mod in model.named_modules():
             for pname, p in mod.named_parameters(recurse=False):
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
                 name = f"{mname}.{pname}" if mname else pname
                 if isinstance(mod, JetFP8Linear) and pname != "bias":
                     if recipe.weight_sync == "fp8-bytes":
@@ -225,7 +229,7 @@ def plan_sync(payload: dict, param_info: dict, packed: dict[str, list[str]]) -> 
                 raise WeightSyncError(f"{hf_name}: fp8 {q.dtype} {tuple(q.shape)} does not fit {target} {info.shape}")
             placements.append(Placement(hf_name, target, row0, rows, "fp8", scale_param, row0 // BLOCK, s.shape[0]))
         else:
-            if mode == "block":
+            if mode == "block" and pname != "bias":  # a block-FP8 Linear's bias stays in the engine's dtype
                 raise WeightSyncError(
                     f"{hf_name}: the trainer sends BF16 but engine parameter {target} holds jetrl_fp8 bytes; "
                     "convert the trainer model with the engine's recipe (jetrl.convert.convert_model)"

@@ -61,6 +61,9 @@ def _model_config(cfg: TrainConfig) -> tuple[str, dict]:
 
 
 def _task_fits(cfg: TrainConfig, field: str, mcfg: dict) -> None:
+    if cfg.task.name == "parquet":  # prompt lengths depend on the data and the tokenizer: vLLM checks them
+        _positions_fit(cfg, mcfg)
+        return
     task = ArithmeticTask(0, cfg.task.min_operand, cfg.task.max_operand, cfg.task.ops)
     if cfg.model.path is None:
         from jetrl.tiny import CharTokenizer
@@ -82,6 +85,10 @@ def _task_fits(cfg: TrainConfig, field: str, mcfg: dict) -> None:
             f"rollout.max_model_len: {cfg.rollout.max_model_len} < longest prompt ({prompt_tokens} tokens) + "
             f"rollout.max_tokens ({cfg.rollout.max_tokens})"
         )
+    _positions_fit(cfg, mcfg)
+
+
+def _positions_fit(cfg: TrainConfig, mcfg: dict) -> None:
     max_pos = mcfg.get("max_position_embeddings")
     if max_pos is not None and cfg.rollout.max_model_len > max_pos:
         raise ConfigError(f"rollout.max_model_len: {cfg.rollout.max_model_len} > the model's {max_pos} positions")

@@ -109,13 +109,18 @@ class ModelConfig:
 @dataclass(frozen=True)
 class TaskConfig:
     name: str = "arithmetic"
-    """Task kind (only 'arithmetic', see `jetrl.train.task`)."""
+    """Task kind: 'arithmetic' (the synthetic task, `jetrl.tasks.arithmetic`) or 'parquet' (verl RL parquet
+    from ``scripts/data/*.py``, scored by `jetrl.tasks.reward`; needs ``model.path``, ``warmup.steps: 0``)."""
     min_operand: int = 0
     """Smallest operand."""
     max_operand: int = 99
     """Largest operand."""
     ops: tuple[str, ...] = ("+",)
     """Operators."""
+    train_file: str | None = None
+    """task.name 'parquet': the train split, e.g. ``~/data/jetrl/gsm8k/train.parquet``."""
+    val_file: str | None = None
+    """task.name 'parquet': the evaluation split (``run.eval_prompts`` rows from its start)."""
 
 
 @dataclass(frozen=True)
@@ -422,8 +427,10 @@ def _check_values(cfg: TrainConfig) -> None:
             )
     if cfg.model.path is not None and cfg.model.tiny:
         raise _fail("model.tiny", "overrides for the embedded tiny model cannot be combined with model.path")
-    if t.name != "arithmetic":
-        raise _fail("task.name", f"{t.name!r}: only 'arithmetic' is available")
+    if t.name not in ("arithmetic", "parquet"):
+        raise _fail("task.name", f"{t.name!r}: choose 'arithmetic' or 'parquet'")
+    if t.name == "parquet" and cfg.model.path is None:
+        raise _fail("task.name", "'parquet' needs model.path (an HF model whose tokenizer has a chat template)")
     if ro.samples_per_prompt < 2:
         raise _fail("rollout.samples_per_prompt", f"GRPO needs groups of >= 2 samples, got {ro.samples_per_prompt}")
     if not 0.0 < ro.temperature:
@@ -513,6 +520,12 @@ def _check_task(task: TaskConfig) -> None:
     """Validate the task fields by building the task (its errors name ``task.<field>``)."""
     from .task import ArithmeticTask
 
+    if task.name == "parquet":
+        for key in ("train_file", "val_file"):
+            value = getattr(task, key)
+            if value is None or not Path(value).expanduser().is_file():
+                raise ValueError(f"task.{key}: {value!r} is not a parquet file (task.name 'parquet' needs it)")
+        return
     ArithmeticTask(seed=0, min_operand=task.min_operand, max_operand=task.max_operand, ops=task.ops)
 
 

@@ -45,7 +45,7 @@ from .config import TrainConfig
 from .metrics import MetricsWriter, read_metrics
 from .policy import MixedPrecisionAdamW, TokenBatch, forward_logprobs, make_batch, micro_batches
 from .progress import ProgressBar
-from .task import ArithmeticTask, Problem, Stream, score
+from .task import ArithmeticTask, Problem, Stream
 from .warmup import prepare_initial_checkpoint
 
 __all__ = ["Trainer", "TrainError", "RESUMABLE_FIELDS"]
@@ -88,6 +88,15 @@ class _Tokens:
     def encode(self, text: str) -> list[int]:
         return self._encode(text)
 
+    def encode_problem(self, p: Problem) -> list[int]:
+        """The prompt's ids: chat messages through the tokenizer's chat template (as verl renders them), else
+        the text."""
+        if p.messages is None:
+            return self._encode(p.prompt)
+        messages = [{"role": role, "content": content} for role, content in p.messages]
+        text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(self.tok(text, add_special_tokens=False).input_ids)
+
     def decode(self, ids: list[int]) -> str:
         return self._decode(ids)
 
@@ -112,7 +121,12 @@ class Trainer:
         self.run_dir = cfg.run_dir
         self.recipe = check_environment(cfg)  # before any work: raises ConfigError naming the field
         self._prepare_run_dir(overwrite)
-        self.task = ArithmeticTask(cfg.run.seed, cfg.task.min_operand, cfg.task.max_operand, cfg.task.ops)
+        if cfg.task.name == "parquet":
+            from jetrl.tasks.dataset import ParquetTask
+
+            self.task = ParquetTask(cfg.task.train_file, cfg.task.val_file, seed=cfg.run.seed)
+        else:
+            self.task = ArithmeticTask(cfg.run.seed, cfg.task.min_operand, cfg.task.max_operand, cfg.task.ops)
         self.device = torch.device(cfg.run.device)
         self.engine = None
         self.state: dict[str, Any] = {}
@@ -287,7 +301,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ rollout
     def _generate(self, problems: list[Problem], *, n: int, temperature: float, seed: int):
-        prompts = [self.tokens.encode(p.prompt) for p in problems]
+        prompts = [self.tokens.encode_problem(p) for p in problems]
         r = self.cfg.rollout
         return self.engine.generate(
             prompts,
@@ -302,7 +316,9 @@ class Trainer:
     def _score(self, problems: list[Problem], samples: list, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         correct = []
         for i, s in enumerate(samples):
-            ok = s.finish_reason == "stop" and score(self.tokens.decode(s.response_ids), problems[i // n].answer)
+            ok = s.finish_reason == "stop" and self.task.score_response(
+                self.tokens.decode(s.response_ids), problems[i // n]
+            )
             correct.append(float(ok))
         correct_t = torch.tensor(correct)
         rewards = correct_t.clone()

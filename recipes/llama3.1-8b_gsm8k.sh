@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Llama-3.1-8B on GSM8K, 8K responses, with verl grpo (GRPO settings: recipes/lib/verl_common.sh says where each comes from).
+#   python scripts/data/gsm8k.py                      # once: writes $DATA_DIR/gsm8k/{train,test}.parquet
+#   bash recipes/llama3.1-8b_gsm8k.sh                 # RECIPE=jetrl-unified (default) | naive-fp8-rollout | bf16
+#   DRY_RUN=1 MODEL_PATH=recipes/models/llama3.1-8b bash recipes/llama3.1-8b_gsm8k.sh   # check the config, no GPU
+# Extra hydra overrides are forwarded, e.g. trainer.total_epochs=1.
+set -euo pipefail
+
+MODEL_NAME=llama3.1-8b
+MODEL_ID=meta-llama/Llama-3.1-8B
+DATASET=gsm8k
+ALGO=grpo
+RESPONSE_LEN=${RESPONSE_LEN:-8192}
+PROMPT_LEN=${PROMPT_LEN:-512}
+
+source "$(dirname "${BASH_SOURCE[0]}")/lib/verl_common.sh"
+jetrl_verl_run "$@"

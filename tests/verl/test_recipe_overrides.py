@@ -1,0 +1,85 @@
+"""Every verl recipe's overrides compose against verl 0.9.1's own ``ppo_trainer`` config (hydra, struct
+mode: a key that does not exist is refused) and pass verl's own `validate_config`; the jetrl section
+holds only the agreed keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+verl = pytest.importorskip("verl", reason="needs verl (the verl test environment installs verl==0.9.1)")
+
+from jetrl.testing.recipes import overrides_dict, recipe_argv, verl_recipes  # noqa: E402
+
+CONFIG_DIR = Path(verl.__file__).parent / "trainer" / "config"
+JETRL_KEYS = {"jetrl.recipe", "jetrl.dry_run", "jetrl.lint", "jetrl.proceed_on_lint_violation"}
+"""The section `python -m jetrl.verl` adds to verl's config (interfaces.md)."""
+RECIPES = verl_recipes()
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        return hydra_compose(config_name="ppo_trainer", overrides=overrides)
+
+
+def verl_overrides(script: Path, *args: str, env: dict[str, str] | None = None) -> tuple[list[str], dict]:
+    rc, argv, err = recipe_argv(script, *args, env=env)
+    assert rc == 0 and argv is not None, f"{script.name}: exit {rc}: {err}"
+    ov = overrides_dict(argv)
+    jetrl = {k: v for k, v in ov.items() if k.startswith("jetrl.")}
+    return [a for a in argv[2:] if not a.startswith("jetrl.")], jetrl
+
+
+def test_seven_recipes():
+    assert [p.stem for p in RECIPES] == [
+        "llama3.1-8b_gsm8k",
+        "llama3.1-8b_math",
+        "qwen2.5-7b_deepmath",
+        "qwen2.5-7b_gsm8k",
+        "qwen2.5-7b_math",
+        "qwen3-8b-base_deepmath",
+        "qwen3-8b-base_math",
+    ]
+
+
+@pytest.mark.parametrize("script", RECIPES, ids=[p.stem for p in RECIPES])
+def test_recipe_composes_against_verl_schema(script):
+    from omegaconf import OmegaConf
+    from verl.utils.config import validate_config
+
+    overrides, jetrl = verl_overrides(script)
+    assert set(jetrl) <= JETRL_KEYS, f"{script.name}: unknown jetrl keys {set(jetrl) - JETRL_KEYS}"
+    additions = [o.split("=", 1)[0] for o in overrides if o.startswith("+")]
+    assert all(a.startswith("+reward.reward_kwargs.") for a in additions), additions  # the dapo manager's kwargs
+    cfg = compose(overrides)  # raises ConfigCompositionException naming any key verl does not have
+    assert OmegaConf.is_struct(cfg)
+    dataset = script.stem.split("_", 1)[1]
+    assert cfg.data.train_files.endswith(f"/{dataset}/train.parquet")
+    assert cfg.data.max_response_length == (16384 if dataset == "deepmath" else 8192)
+    assert cfg.reward.custom_reward_function.path.endswith("jetrl/tasks/reward.py")
+    assert Path(cfg.reward.custom_reward_function.path).is_file()
+    validate_config(cfg, use_reference_policy=cfg.actor_rollout_ref.actor.use_kl_loss, use_critic=False)
+    if cfg.reward.reward_manager.name == "dapo":
+        kw = cfg.reward.reward_kwargs
+        assert kw.max_resp_len == cfg.data.max_response_length > kw.overlong_buffer_cfg.len
+
+
+def test_unknown_key_is_refused_naming_it():
+    from hydra.errors import ConfigCompositionException
+
+    overrides, _ = verl_overrides(RECIPES[0], "actor_rollout_ref.actor.clip_ratio_hihg=0.3")
+    with pytest.raises(ConfigCompositionException, match="actor_rollout_ref.actor.clip_ratio_hihg"):
+        compose(overrides)
+
+
+def test_forwarded_overrides_win():
+    overrides, jetrl = verl_overrides(
+        RECIPES[0], "data.train_batch_size=64", env={"RECIPE": "bf16", "DRY_RUN": "1", "NGPUS": "4"}
+    )
+    cfg = compose(overrides)
+    assert cfg.data.train_batch_size == 64 and cfg.trainer.n_gpus_per_node == 4
+    assert jetrl == {"jetrl.recipe": "bf16", "jetrl.dry_run": "true"}
