@@ -244,7 +244,7 @@ def load_latest(ckpt_dir: str | Path) -> Loaded:
     """The newest checkpoint that verifies; raises `CheckpointError` if none does (naming what was tried)."""
     found = list_checkpoints(ckpt_dir)
     if not found:
-        raise CheckpointError(f"no checkpoint under {ckpt_dir} (nothing to resume)")
+        raise CheckpointError(f"no checkpoint under {ckpt_dir}")
     skipped: list[tuple[Path, str]] = []
     for _, p in reversed(found):
         try:

@@ -81,6 +81,11 @@ class RunConfig:
     """torch intra-op threads for the trainer (0 = torch's default)."""
     progress: bool = True
     """Show a progress bar with ETA on stderr."""
+    loggers: tuple[str, ...] = ()
+    """Metric sinks beside ``metrics.jsonl`` (always written): 'tensorboard' (event files in
+    ``<run dir>/tensorboard/``, needs the tensorboard package) and/or 'wandb' (needs wandb; project
+    ``$WANDB_PROJECT`` or 'jetrl', run name ``run.name``). Keys that mean what a verl metric means are
+    logged under verl's name (`jetrl.train.loggers.VERL_NAMES`)."""
 
 
 @dataclass(frozen=True)
@@ -396,6 +401,19 @@ def _check_values(cfg: TrainConfig) -> None:
             )
     if cfg.model.path is not None and cfg.model.tiny:
         raise _fail("model.tiny", "overrides for the embedded tiny model cannot be combined with model.path")
+    if cfg.model.path is not None and w.steps:
+        raise _fail(
+            "warmup.steps",
+            f"{w.steps}: the supervised warm-up is for the embedded tiny model; set warmup.steps=0 when "
+            "model.path is given",
+        )
+    from .loggers import LOGGERS
+
+    for name in r.loggers:
+        if name not in LOGGERS:
+            raise _fail("run.loggers", f"unknown logger {name!r}; choose from {list(LOGGERS)}")
+    if len(set(r.loggers)) != len(r.loggers):
+        raise _fail("run.loggers", f"{list(r.loggers)} names a logger twice")
     if t.name != "arithmetic":
         raise _fail("task.name", f"{t.name!r}: only 'arithmetic' is available")
     if ro.samples_per_prompt < 2:

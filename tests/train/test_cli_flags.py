@@ -12,7 +12,13 @@ def _flags(parser: argparse.ArgumentParser) -> list[str]:
 
 
 def test_train_flags_frozen():
-    assert _flags(build_parser()) == ["--dry-run", "--help", "--overwrite", "--resume", "-h"]
+    assert _flags(build_parser()) == ["--dry-run", "--help", "--overwrite", "--resume", "--verbose", "-h"]
+
+
+def test_export_flags_frozen():
+    from jetrl.train.export import build_parser as export_parser
+
+    assert _flags(export_parser()) == ["--fp8", "--help", "--out", "--overwrite", "--step", "-h"]
 
 
 def test_demo_flags_frozen(monkeypatch, capsys):
@@ -40,6 +46,7 @@ def test_demo_flags_frozen(monkeypatch, capsys):
                 "--set",
                 "algo.name=dapo",
                 "--dry-run",
+                "--overwrite",
             ]
         )
         == 0
@@ -49,5 +56,7 @@ def test_demo_flags_frozen(monkeypatch, capsys):
         "out_dir": "o",
         "compare": False,
         "dry_run": True,
+        "overwrite": True,
         "overrides": ["algo.name=dapo", "run.steps=3", "run.seed=5"],
+        "active": [],
     }
