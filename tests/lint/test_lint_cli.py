@@ -170,3 +170,16 @@ def test_numeric_mode_uses_the_runs_numerics_and_says_what_it_compares(tiny_ckpt
         for col in ("W BYTES:", "X BYTES:", "MAX|dX|:", "verdict: only differing W or X bytes are errors"):
             assert col in table, col
     assert drift["vllm-cpu"] < drift["hf"], drift
+
+
+def test_readme_lint_commands_use_real_flags_and_say_where_ckpt_comes_from():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    lines = [ln for ln in readme.splitlines() if ln.lstrip().startswith("jetrl lint ")]
+    assert lines
+    known = {s for a in build_parser()._actions for s in a.option_strings}
+    for ln in lines:
+        assert set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", ln.split("#")[0])) <= known, ln
+    assert re.search(r"`CKPT` is the trainer's BF16\s+HF checkpoint: `jetrl export RUN_DIR` writes one", readme)

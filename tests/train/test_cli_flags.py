@@ -60,3 +60,16 @@ def test_demo_flags_frozen(monkeypatch, capsys):
         "overrides": ["algo.name=dapo", "run.steps=3", "run.seed=5"],
         "active": [],
     }
+
+
+def test_readme_train_commands_use_real_flags_and_say_where_jetrl_is():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert "`.venv/bin/jetrl ...`, or `source .venv/bin/activate`" in readme
+    known = set(_flags(build_parser()))
+    lines = [ln for ln in readme.splitlines() if ln.lstrip().startswith("jetrl train ")]
+    assert lines
+    for ln in lines:
+        assert set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", ln.split("#")[0])) <= known, ln
