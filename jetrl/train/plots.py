@@ -2,8 +2,8 @@
 
 `plot_runs([run_dir, ...], out_dir)` writes ``reward.png``, ``mismatch.png``, ``is_ratio.png`` and the
 step-time split. Several runs (e.g. the same seed under different recipes) are overlaid; every legend
-entry names its run (``<run name> (<recipe>)``) and what the line is, and legends sit outside the axes
-so they cover no data. The greedy evaluations (held-out set, at step 0 and at the end, or every
+entry names its run (``<run name> (<recipe>)``) and what the line is, and legends sit below the axes
+(one column per run) so they cover no data. The greedy evaluations (held-out set, at step 0 and at the end, or every
 ``run.eval_every`` steps) are drawn as separate points, not joined: two evaluations are not a trend.
 
 Step times are compared only between runs timed under the same conditions: the same host, CPU count,
@@ -67,9 +67,10 @@ def comparable_timing(runs: list[tuple[Path, list[dict]]]) -> tuple[bool, str]:
     return True, f"timed on one host under the same load (1-min load average {shown})"
 
 
-def _legend(ax) -> None:
+def _legend(ax, ncol: int) -> None:
+    """Below the axes (never over the data), one column per run."""
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=max(1, ncol), frameon=False)
 
 
 def make_figures(run_dirs: list[str | Path]) -> dict[str, object]:
@@ -83,7 +84,7 @@ def make_figures(run_dirs: list[str | Path]) -> dict[str, object]:
     runs = [(d, rows) for d, rows in runs if rows]
     figs: dict[str, object] = {}
 
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = plt.subplots(figsize=(8, 5))
     for d, rows in runs:
         name = _label(d)
         (line,) = ax.plot(*_series(rows, "reward/mean"), label=f"{name}: reward/mean")
@@ -98,10 +99,10 @@ def make_figures(run_dirs: list[str | Path]) -> dict[str, object]:
                 xs, ys, ls="none", marker="o", color=line.get_color(), label=f"{name}: greedy eval accuracy (held-out)"
             )
     ax.set(xlabel="RL step", ylabel="reward / accuracy", title="Reward")
-    _legend(ax)
+    _legend(ax, len(runs))
     figs["reward.png"] = fig
 
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = plt.subplots(figsize=(8, 5))
     for d, rows in runs:
         name = _label(d)
         (line,) = ax.plot(*_series(rows, "mismatch/logp_abs_diff_mean"), label=f"{name}: mean")
@@ -109,10 +110,10 @@ def make_figures(run_dirs: list[str | Path]) -> dict[str, object]:
         ax.plot(xs, ys, ls="--", color=line.get_color(), alpha=0.6, label=f"{name}: max")
     ax.set(xlabel="RL step", ylabel="|logp_rollout - logp_trainer|", title="Trainer / rollout mismatch")
     ax.set_yscale("symlog", linthresh=1e-6)  # exact zeros (bit-equal log-probs) stay on the plot
-    _legend(ax)
+    _legend(ax, len(runs))
     figs["mismatch.png"] = fig
 
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = plt.subplots(figsize=(8, 5))
     for d, rows in runs:
         name = _label(d)
         (line,) = ax.plot(*_series(rows, "mismatch/is_ratio_mean"), label=f"{name}: mean")
@@ -120,13 +121,13 @@ def make_figures(run_dirs: list[str | Path]) -> dict[str, object]:
             ax.plot(*_series(rows, k), ls=":", color=line.get_color(), alpha=0.5, label=f"{name}: {what}")
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set(xlabel="RL step", ylabel="exp(logp_trainer - logp_rollout)", title="IS ratio")
-    _legend(ax)
+    _legend(ax, len(runs))
     figs["is_ratio.png"] = fig
 
     parts = ("time/rollout_s", "time/train_s", "time/sync_s")
 
     def step_time(group: list[tuple[Path, list[dict]]], title: str):
-        fig, ax = plt.subplots(figsize=(9, 4))
+        fig, ax = plt.subplots(figsize=(8, 5))
         width = 0.8 / max(1, len(group))
         for i, (_d, rows) in enumerate(group):
             bottom = 0.0
@@ -137,7 +138,7 @@ def make_figures(run_dirs: list[str | Path]) -> dict[str, object]:
         ax.set_xticks([i * width for i in range(len(group))], [_label(d) for d, _ in group], fontsize=7)
         ax.set(ylabel="seconds per step (mean)")
         ax.set_title(title, fontsize=9)
-        _legend(ax)
+        _legend(ax, len(parts))
         return fig
 
     if len(runs) <= 1:
