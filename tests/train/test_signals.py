@@ -2,8 +2,9 @@
 checkpoint and --resume; no traceback; exit 130 / 143; vLLM's INFO lines stay off by default.
 
 Two engine starts in all: the first run is interrupted with SIGINT sent to its process group (what a
-terminal's Ctrl-C does), then resumed and stopped with SIGTERM sent to the process (what a scheduler does).
-The signal is sent after the progress bar reports a step, never after a sleep."""
+terminal's Ctrl-C does); its newest checkpoint is then truncated, and the resume must take the older one,
+say which it skipped, and stop with SIGTERM sent to the process (what a scheduler does). Each signal is
+sent after the progress bar reports a step, never after a sleep."""
 
 from __future__ import annotations
 
@@ -83,11 +84,11 @@ def test_ctrl_c_and_sigterm_stop_with_one_line_and_resume(tmp_path):
     cfg_path.write_text(yaml.safe_dump(raw))
     ckpts = tmp_path / "tiny-arith" / "checkpoints"
 
-    # 1. Ctrl-C: SIGINT to the whole process group, after step 2 is reported
+    # 1. Ctrl-C: SIGINT to the whole process group, after step 3 is reported
     out1 = tmp_path / "stdout-1.txt"
     proc = _start(cfg_path, out1, new_session=True)
     try:
-        seen = _wait_for_step(proc, 2)
+        seen = _wait_for_step(proc, 3)
         os.killpg(proc.pid, signal.SIGINT)
         err = _finish(proc, seen)
     finally:
@@ -98,16 +99,20 @@ def test_ctrl_c_and_sigterm_stop_with_one_line_and_resume(tmp_path):
     m = LINE.match(err[-1])
     assert m, err[-5:]
     step, ckpt = int(m[1]), int(m[2])
-    assert ckpt == latest_step(ckpts) and step == ckpt + 1 and ckpt >= 1  # the step it was in; the one on disk
+    assert ckpt == latest_step(ckpts) and step == ckpt + 1 and ckpt >= 2  # the step it was in; the one on disk
     assert "Traceback" not in text and "[rank0]" not in text
     assert not [ln for ln in text.splitlines() if re.search(r"\bINFO\b", ln)], "vLLM INFO lines without --verbose"
     assert sum(bool(LINE.match(ln)) for ln in err) == 1
 
-    # 2. SIGTERM to the resumed process, after it reports its first step
+    # 2. the newest checkpoint truncated (a full disk, a killed copy): the resume takes the one before it
+    newest = ckpts / f"step_{ckpt:06d}" / "tensors.safetensors"
+    newest.write_bytes(newest.read_bytes()[:100])
+    older = ckpt - 1
+    # 3. SIGTERM to the resumed process, after it reports its first step
     out2 = tmp_path / "stdout-2.txt"
     proc = _start(cfg_path, out2, "--resume", new_session=False)
     try:
-        seen = _wait_for_step(proc, ckpt + 1)
+        seen = _wait_for_step(proc, older + 1)
         proc.send_signal(signal.SIGTERM)
         err = _finish(proc, seen)
     finally:
@@ -115,9 +120,10 @@ def test_ctrl_c_and_sigterm_stop_with_one_line_and_resume(tmp_path):
             proc.kill()
     text = out2.read_text() + "\n".join(err)
     assert proc.returncode == 143, text[-4000:]
-    assert f"resumed from step {ckpt}" in text
+    assert f"resume: skipped step_{ckpt:06d}: {newest}: checksum mismatch" in text
+    assert f"resumed from step {older} (" in text
     m = LINE.match(err[-1])
     assert m, err[-5:]
     # the signal may land before or after the reported step's checkpoint: the line says which
-    assert int(m[2]) == latest_step(ckpts) >= ckpt and int(m[1]) == int(m[2]) + 1
+    assert int(m[2]) == latest_step(ckpts) >= older and int(m[1]) == int(m[2]) + 1
     assert "Traceback" not in text
