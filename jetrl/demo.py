@@ -216,8 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.overwrite:
         name = free_name(args.out_dir, args.name, args.compare)
         if name != args.name:
+            mine = [Path(args.out_dir) / args.name, Path(args.out_dir) / f"{args.name}-{COMPARE_RECIPE}"]
+            there = " and ".join(str(d) for d in mine[: 2 if args.compare else 1] if d.exists() and any(d.iterdir()))
             print(
-                f"jetrl demo: {Path(args.out_dir) / args.name} exists; this run goes to {Path(args.out_dir) / name} "
+                f"jetrl demo: {there} exists; this run goes to {Path(args.out_dir) / name} "
                 "(--overwrite replaces it instead)",
                 file=sys.stderr,
             )
