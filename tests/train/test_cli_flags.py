@@ -4,7 +4,30 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from jetrl.train.cli import build_parser
+
+
+@pytest.fixture(autouse=True)
+def _restore_cli_side_effects():
+    """The CLIs set log-level variables and route the 'jetrl' logger to stdout (`quiet_engine_logs`): keep
+    both out of the other tests of this process."""
+    import logging
+    import os
+
+    keys = ("VLLM_LOGGING_LEVEL", "TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS")
+    env = {k: os.environ.get(k) for k in keys}
+    log = logging.getLogger("jetrl")
+    saved = (list(log.handlers), log.propagate, log.level)
+    yield
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    log.handlers[:], log.propagate = saved[0], saved[1]
+    log.setLevel(saved[2])
 
 
 def _flags(parser: argparse.ArgumentParser) -> list[str]:
@@ -73,3 +96,17 @@ def test_readme_train_commands_use_real_flags_and_say_where_jetrl_is():
     assert lines
     for ln in lines:
         assert set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", ln.split("#")[0])) <= known, ln
+
+
+def test_engine_logs_quiet_unless_verbose_and_an_explicit_level_wins(monkeypatch):
+    import os
+
+    from jetrl.train.cli import quiet_engine_logs
+
+    for verbose, want in ((False, "ERROR"), (True, "INFO")):
+        monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+        quiet_engine_logs(verbose)
+        assert os.environ["VLLM_LOGGING_LEVEL"] == want
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
+    quiet_engine_logs(False)
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG"
