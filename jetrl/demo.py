@@ -101,6 +101,7 @@ def run_demo(
     overwrite: bool = False,
     dry_run: bool = False,
     active: list | None = None,
+    verbose: bool = True,
 ) -> dict[str, Any] | None:
     """Run the default (and the comparison); return the combined summary (also in runs/<name>/summary.json).
     An existing run directory is refused (`TrainError`) unless `overwrite`; `active`, when given, receives
@@ -134,7 +135,7 @@ def run_demo(
     summaries = []
     for c in plan:
         log(f"=== {c.run.recipe}: {c.run.steps} RL steps -> {c.run_dir}")
-        trainer = Trainer(c, overwrite=overwrite, log=log)
+        trainer = Trainer(c, overwrite=overwrite, log=log, verbose=verbose)
         if active is not None:
             active.append(trainer)
         try:
@@ -234,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                 dry_run=args.dry_run,
                 overwrite=args.overwrite,
                 active=active,
+                verbose=args.verbose,
             )
         except ConfigError as e:
             print(f"jetrl demo: bad config: {e}", file=sys.stderr)

@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import sys
+import warnings
 from contextlib import contextmanager
 
 __all__ = ["main", "build_parser", "Interrupted", "handle_signals", "quiet_engine_logs"]
@@ -53,6 +54,10 @@ def quiet_engine_logs(verbose: bool) -> None:
     if not verbose:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' load/save bars too
+        # vLLM logs a few warnings while importing, before its own logging config reads the variable
+        logging.getLogger("vllm").setLevel(logging.ERROR)
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm(\.|$)")
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"vllm(\.|$)")
     # jetrl's own notes (e.g. which GEMM backend 'auto' chose) go to stdout with the run's other log lines:
     # stderr carries the progress bar and errors only
     log = logging.getLogger("jetrl")
@@ -121,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(json.dumps(cfg.to_dict(), indent=2))
                     print(f"dry run: config OK for this machine; outputs would go to {cfg.run_dir}")
                     return 0
-                trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite)
+                trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, verbose=args.verbose)
             except ConfigError as e:
                 print(f"jetrl train: bad config: {e}", file=sys.stderr)
                 return 2

@@ -117,8 +117,11 @@ def _seed_of(seed: int, step: int, round_: int) -> int:
 class Trainer:
     """Owns the model, optimizer, engine and outputs of one run. `run()` trains and returns the summary."""
 
-    def __init__(self, cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, log=print):
-        self.cfg, self.resume, self.log = cfg, resume, log
+    def __init__(
+        self, cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, log=print, verbose: bool = True
+    ):
+        """`verbose=False` (the CLIs without --verbose) also hides the engine's weight-loading progress bar."""
+        self.cfg, self.resume, self.log, self.verbose = cfg, resume, log, verbose
         self.run_dir = cfg.run_dir
         if cfg.model.path is not None:
             check_model_dir(cfg.model.path)  # ModelFileError naming the file; before its config.json is read
@@ -233,7 +236,7 @@ class Trainer:
             gpu_memory_utilization=r.gpu_memory_utilization,
             max_model_len=r.max_model_len,
             backend=cfg.run.gemm_backend,
-            **r.engine_kwargs,
+            **{**({} if self.verbose else {"use_tqdm_on_load": False}), **r.engine_kwargs},
         )
         self.log(f"engine: {self.engine.quantization or 'bf16'} started in {self.engine.start_seconds:.1f}s")
         if cfg.lint.enabled:

@@ -15,12 +15,17 @@ def _restore_cli_side_effects():
     both out of the other tests of this process."""
     import logging
     import os
+    import warnings
 
     keys = ("VLLM_LOGGING_LEVEL", "TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS")
     env = {k: os.environ.get(k) for k in keys}
     log = logging.getLogger("jetrl")
     saved = (list(log.handlers), log.propagate, log.level)
+    vllm_level = logging.getLogger("vllm").level
+    filters = list(warnings.filters)
     yield
+    warnings.filters[:] = filters
+    logging.getLogger("vllm").setLevel(vllm_level)
     for k, v in env.items():
         if v is None:
             os.environ.pop(k, None)
@@ -82,6 +87,7 @@ def test_demo_flags_frozen(monkeypatch, capsys):
         "overwrite": True,
         "overrides": ["algo.name=dapo", "run.steps=3", "run.seed=5"],
         "active": [],
+        "verbose": False,
     }
 
 
