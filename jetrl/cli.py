@@ -9,13 +9,27 @@ import sys
 SUBCOMMANDS = {
     "lint": ("jetrl.lint.cli", "prove the rollout precision graph is a subgraph of the training forward graph"),
     "train": ("jetrl.train.cli", "run the local GRPO/DAPO trainer from a config file"),
+    "export": ("jetrl.train.export", "write a run's trained policy as an HF checkpoint (and vLLM block FP8)"),
 }
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("jetrl")
+    except PackageNotFoundError:  # a source tree on sys.path without an install
+        return "unknown (not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-V", "--version"):
+        print(f"jetrl {version()}")
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: jetrl {" + ",".join(SUBCOMMANDS) + "} ...\n")
+        print("usage: jetrl [--version] {" + ",".join(SUBCOMMANDS) + "} ...\n")
         for name, (_, help_) in SUBCOMMANDS.items():
             print(f"  {name:<8}{help_}")
         return 0 if argv else 2

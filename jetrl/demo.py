@@ -10,6 +10,10 @@
    training, vLLM-style per-tensor FP8 rollout) and compares the trainer/rollout mismatch;
 5. prints a closing report and writes ``runs/<name>/summary.json``, ``metrics.jsonl`` and plots.
 
+A run directory is never replaced unless ``--overwrite`` asks: when ``runs/<name>/`` (or its
+comparison run's directory) exists, the demo writes to the first free ``<name>-2``, ``<name>-3``, ...
+and says so. Ctrl-C / SIGTERM end it like ``jetrl train``: one line, engine shut down, exit 130 / 143.
+
 Acceptance (issue 7): reward rises, and the mean per-token ``|logp_rollout - logp_trainer|`` of
 ``jetrl-unified`` is at most 1/5 of ``naive-fp8-rollout``'s.
 """
@@ -18,12 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_CONFIG", "MISMATCH_RATIO_GOAL", "main", "run_demo"]
+__all__ = ["DEFAULT_CONFIG", "MISMATCH_RATIO_GOAL", "main", "run_demo", "free_name"]
 
 DEFAULT_CONFIG: dict[str, Any] = {
     "run": {"name": "tiny-arith", "seed": 0, "steps": 60, "recipe": "jetrl-unified", "checkpoint_every": 10},
@@ -73,6 +77,22 @@ def closing_report(summaries: list[dict[str, Any]], comparison: dict[str, Any] |
     return "\n".join(lines)
 
 
+def free_name(out_dir: str | Path, name: str, compare: bool) -> str:
+    """`name`, or the first ``<name>-2``, ``<name>-3``, ... whose run directories (the main run's and, with
+    `compare`, the comparison run's) do not exist or are empty."""
+
+    def taken(n: str) -> bool:
+        dirs = [Path(out_dir) / n] + ([Path(out_dir) / f"{n}-{COMPARE_RECIPE}"] if compare else [])
+        return any(d.exists() and any(d.iterdir()) for d in dirs)
+
+    if not taken(name):
+        return name
+    i = 2
+    while taken(f"{name}-{i}"):
+        i += 1
+    return f"{name}-{i}"
+
+
 def run_demo(
     *,
     name: str,
@@ -80,11 +100,15 @@ def run_demo(
     compare: bool,
     overrides: list[str],
     log=print,
-    overwrite: bool = True,
+    overwrite: bool = False,
     dry_run: bool = False,
+    active: list | None = None,
+    verbose: bool = True,
 ) -> dict[str, Any] | None:
-    """Run the default (and the comparison); return the combined summary (also in runs/<name>/summary.json)."""
-    from jetrl.train.config import apply_overrides, config_from_dict
+    """Run the default (and the comparison); return the combined summary (also in runs/<name>/summary.json).
+    An existing run directory is refused (`TrainError`) unless `overwrite`; `active`, when given, receives
+    each `Trainer` as it starts (the CLI reports an interrupted run's step from it)."""
+    from jetrl.train.config import ConfigError, apply_overrides, config_from_dict
     from jetrl.train.plots import plot_runs
     from jetrl.train.trainer import Trainer
 
@@ -94,7 +118,7 @@ def run_demo(
     plan = [cfg]
     if compare:
         if cfg.run.recipe == COMPARE_RECIPE:
-            raise ValueError(f"run.recipe: --compare runs {COMPARE_RECIPE!r} beside the main recipe; pick another")
+            raise ConfigError(f"run.recipe: --compare runs {COMPARE_RECIPE!r} beside the main recipe; pick another")
         # the naive rollout is off-policy by construction: the lint reports it, and we train anyway to measure it
         plan.append(
             cfg.replace(
@@ -113,7 +137,9 @@ def run_demo(
     summaries = []
     for c in plan:
         log(f"=== {c.run.recipe}: {c.run.steps} RL steps -> {c.run_dir}")
-        trainer = Trainer(c, overwrite=overwrite, log=log)
+        trainer = Trainer(c, overwrite=overwrite, log=log, verbose=verbose)
+        if active is not None:
+            active.append(trainer)
         try:
             summaries.append(trainer.run())
         finally:
@@ -163,6 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     cmp_.add_argument("--no-compare", dest="compare", action="store_false", help="run only the main recipe")
     p.add_argument("--dry-run", action="store_true", help="check the configs and this machine, then exit")
     p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace runs/<name>/ if it exists (default: write to the first free <name>-2, <name>-3, ...)",
+    )
+    p.add_argument("--verbose", action="store_true", help="show vLLM's and transformers' INFO/WARNING logs")
+    p.add_argument(
         "--set",
         dest="overrides",
         action="append",
@@ -171,26 +203,58 @@ def main(argv: list[str] | None = None) -> int:
         help="override a config field (repeatable), e.g. --set algo.name=dapo",
     )
     args = p.parse_args(argv)
-    # quieter engine logs for a readable demo (an explicit VLLM_LOGGING_LEVEL in the environment wins)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from jetrl.train.cli import Interrupted, handle_signals, interrupt_line, quiet_engine_logs
+
+    quiet_engine_logs(args.verbose)  # an explicit VLLM_LOGGING_LEVEL in the environment wins
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"run.steps={args.steps}")
     if args.seed is not None:
         overrides.append(f"run.seed={args.seed}")
     from jetrl.train.config import ConfigError
+    from jetrl.train.modelfiles import ModelFileError
     from jetrl.train.trainer import TrainError
 
-    try:
-        summary = run_demo(
-            name=args.name, out_dir=args.out_dir, compare=args.compare, overrides=overrides, dry_run=args.dry_run
-        )
-    except ConfigError as e:
-        print(f"jetrl demo: bad config: {e}", file=sys.stderr)
-        return 2
-    except TrainError as e:
-        print(f"jetrl demo: {e}", file=sys.stderr)
-        return 1
+    name = args.name
+    if not args.overwrite:
+        name = free_name(args.out_dir, args.name, args.compare)
+        if name != args.name:
+            mine = [Path(args.out_dir) / args.name, Path(args.out_dir) / f"{args.name}-{COMPARE_RECIPE}"]
+            there = " and ".join(str(d) for d in mine[: 2 if args.compare else 1] if d.exists() and any(d.iterdir()))
+            print(
+                f"jetrl demo: {there} exists; this run goes to {Path(args.out_dir) / name} "
+                "(--overwrite replaces it instead)",
+                file=sys.stderr,
+            )
+    active: list = []
+    with handle_signals():
+        try:
+            summary = run_demo(
+                name=name,
+                out_dir=args.out_dir,
+                compare=args.compare,
+                overrides=overrides,
+                dry_run=args.dry_run,
+                overwrite=args.overwrite,
+                active=active,
+                verbose=args.verbose,
+            )
+        except ConfigError as e:
+            print(f"jetrl demo: bad config: {e}", file=sys.stderr)
+            return 2
+        except ModelFileError as e:
+            print(f"jetrl demo: bad model file: {e}", file=sys.stderr)
+            return 2
+        except TrainError as e:
+            print(f"jetrl demo: {e}", file=sys.stderr)
+            return 1
+        except Interrupted as e:
+            trainer = active[-1] if active else None
+            if trainer is not None:
+                trainer.close()
+            hint = f"jetrl train {trainer.run_dir / 'config.json'} --resume" if trainer is not None else None
+            print(f"jetrl demo: {interrupt_line(trainer, e.signum, resume=hint)}", file=sys.stderr)
+            return 128 + e.signum
     if summary is not None and summary["comparison"] is not None and not summary["comparison"]["pass"]:
         return 1
     return 0

@@ -67,7 +67,8 @@ def load_training_model(model_path: str | Path):
     except Exception as e:  # noqa: BLE001 - re-raised with the reason the lint needs a BF16 checkpoint
         raise LintEnvError(
             f"cannot load {model_path} as the trainer's BF16 HF model ({type(e).__name__}: {e}); the training "
-            "graph is captured from the trainer's BF16 checkpoint (give an FP8 export's config with --served-config)"
+            "graph is captured from the trainer's BF16 checkpoint (give an FP8 export with --served: "
+            "jetrl export RUN_DIR --fp8 writes both)"
         ) from e
     bad = [n for n, p in model.named_parameters() if p.is_floating_point() and p.dtype != torch.bfloat16]
     if bad:

@@ -2,6 +2,11 @@
 
     jetrl lint --model PATH --recipe NAME --rollout {jetrl-vllm,stock-vllm} [--numeric] [--json]
 
+``--model`` is the trainer's BF16 HF checkpoint: ``jetrl export RUN_DIR`` writes one for a run
+(``RUN_DIR/export/step_N/hf``, with a ``jetrl.json`` naming the run's recipe and numerics). ``--numeric``
+captures the trainer with the run's own numerics between the Linears (``--numerics auto``: the export's
+``jetrl.json``; without one, 'vllm-cpu' when the engine runs on CPU, as ``jetrl train`` does there, else 'hf').
+
 Exit status: 0 consistent (warnings allowed), 1 violations, 2 usage or environment errors.
 """
 
@@ -9,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import sys
 import traceback
+from pathlib import Path
 
 from jetrl.recipe import RECIPE_NAMES, RecipeError
 
@@ -22,10 +29,21 @@ def build_parser() -> argparse.ArgumentParser:
         prog="jetrl lint",
         description="Check that every rollout op and tensor precision maps onto the training forward graph.",
     )
-    p.add_argument("--model", required=True, help="the trainer's HF checkpoint directory (BF16)")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="the trainer's HF checkpoint directory (BF16), e.g. what `jetrl export RUN_DIR` writes",
+    )
     p.add_argument("--recipe", required=True, choices=RECIPE_NAMES, help="the training recipe")
     p.add_argument("--rollout", choices=("jetrl-vllm", "stock-vllm"), default="jetrl-vllm", help="the rollout engine")
     p.add_argument("--numeric", action="store_true", help="also compare both sides numerically on a probe")
+    p.add_argument(
+        "--numerics",
+        choices=("auto", "hf", "vllm-cpu"),
+        default="auto",
+        help="--numeric: the trainer's ops between the Linears (auto: the export's jetrl.json, else vllm-cpu on a "
+        "CPU engine, hf on GPU)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--backend", default="auto", help="jetrl.gemm backend of the trainer and the jetrl_fp8 engine")
     p.add_argument(
@@ -41,6 +59,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--quant-op", choices=("cuda", "native"), default="cuda", help="vLLM QuantFP8 implementation (custom op or not)"
     )
     return p
+
+
+def resolve_numerics(choice: str, model: str, rollout: str) -> str:
+    """The trainer numerics of `--numerics` (see the module doc)."""
+    if choice != "auto":
+        return choice
+    meta = Path(model) / "jetrl.json"
+    if meta.is_file():
+        try:
+            return json.loads(meta.read_text())["numerics"]
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"{meta}: no readable 'numerics' entry; pass --numerics hf|vllm-cpu") from None
+    import torch
+
+    return "vllm-cpu" if rollout == "jetrl-vllm" and not torch.cuda.is_available() else "hf"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     from jetrl.lint.stock_vllm import StockConfigError, StockVllmSettings
 
     try:
+        numerics = resolve_numerics(args.numerics, args.model, args.rollout) if args.numeric else None
+    except ValueError as e:
+        print(f"jetrl lint: error: {e}", file=sys.stderr)
+        return 2
+    try:
         stock = None
         if args.rollout == "stock-vllm":
             stock = StockVllmSettings.from_environment(
@@ -76,6 +114,16 @@ def main(argv: list[str] | None = None) -> int:
         # vLLM logs to stdout (its handler binds sys.stdout when vllm is first imported, inside this
         # block): send it to stderr so stdout carries only the report (--json must stay parseable)
         with contextlib.redirect_stdout(sys.stderr):
+            training = probe = None
+            if numerics == "vllm-cpu" and args.rollout == "jetrl-vllm":
+                from jetrl.lint.builders import probe_ids
+                from jetrl.lint.numeric import capture_training_numerics
+                from jetrl.recipe import Recipe
+
+                probe = probe_ids(Path(args.model))
+                training = capture_training_numerics(
+                    args.model, Recipe.from_name(args.recipe), numerics=numerics, probe=probe, backend=args.backend
+                )
             report = lint(
                 args.model,
                 args.recipe,
@@ -85,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                 backend=args.backend,
                 served_path=args.served,
                 engine_kwargs={"kv_cache_dtype": args.kv_cache_dtype} if args.rollout == "jetrl-vllm" else None,
+                training=training,
+                probe=probe,
             )
     except (LintEnvError, LayoutError, StockConfigError, RecipeError, FileNotFoundError) as e:
         print(f"jetrl lint: error: {e}", file=sys.stderr)

@@ -13,6 +13,12 @@ into their parts (columns of the output, rows of the weight and of its 128-row s
 
 The first layer where anything differs is named with what differs and by how much. Weight or
 quantizer differences are errors (`numeric-weights`, `numeric-quantizer`); drift is information.
+
+The trainer side runs the *run's own* numerics between the Linears (`capture_training_numerics`:
+``model.numerics`` 'vllm-cpu' matches RoPE, attention and residual+RMSNorm to vLLM's CPU kernels, as
+``jetrl train`` does on CPU; 'hf' is transformers' model as is), so the table describes what training
+computes. The result's ``compared`` sentences say in words what each column compares and why drift
+does not make the verdict inconsistent; the report prints them above the table.
 """
 
 from __future__ import annotations
@@ -27,7 +33,66 @@ from jetrl.lint.report import Finding, Severity, group_findings
 from jetrl.recipe import BLOCK
 from jetrl.testing.numerics import max_abs_diff, sqnr_db
 
-__all__ = ["compare_numeric"]
+__all__ = ["compare_numeric", "capture_training_numerics", "describe_comparison"]
+
+
+def capture_training_numerics(model_path, recipe, *, numerics: str, probe: list[int], backend: str = "auto"):
+    """The training capture of `model_path` for a numeric lint, with the trainer's numerics between the
+    Linears: 'hf' is `jetrl.lint.builders.capture_training` as is; 'vllm-cpu' takes the per-layer tensors
+    from the checkpoint with `jetrl.rollout.engine_match.match_vllm_cpu` applied (what ``jetrl train``
+    computes on CPU) and the graph from transformers' forward (the matched layers run the same ops in the
+    same precisions, but their norms bypass the module calls the graph capture records).
+    ``trace.meta["numerics"]`` records the choice."""
+    from jetrl.convert import convert_model
+    from jetrl.gemm import get_backend
+    from jetrl.lint.builders import (
+        LintEnvError,
+        TrainingCapture,
+        capture_converted,
+        capture_training,
+        load_training_model,
+    )
+
+    if numerics not in ("hf", "vllm-cpu"):
+        raise LintEnvError(f"numerics {numerics!r}: choose 'hf' or 'vllm-cpu'")
+    graph_cap = capture_training(model_path, recipe, probe=probe, backend=backend, keep_tensors=numerics == "hf")
+    if numerics == "hf":
+        graph_cap.trace.meta["numerics"] = numerics
+        return graph_cap
+    if recipe.train_fp8 and get_backend(backend).device_type == "cuda":
+        raise LintEnvError("numerics 'vllm-cpu' matches vLLM's CPU kernels; with a CUDA GEMM backend use 'hf'")
+    from jetrl.rollout.engine_match import match_vllm_cpu
+
+    model = load_training_model(model_path)
+    match_vllm_cpu(model)
+    report = convert_model(model, recipe, backend=backend)
+    matched = capture_converted(model, report, recipe, probe=probe, keep_tensors=True)
+    matched.trace.meta["numerics"] = numerics
+    return TrainingCapture(graph_cap.graph, matched.trace, graph_cap.conversion)
+
+
+_NUMERICS_WORDS = {
+    "hf": "transformers' own ops between the Linears (model.numerics 'hf')",
+    "vllm-cpu": "RoPE, attention and residual+RMSNorm computed as vLLM's CPU kernels do (model.numerics 'vllm-cpu', "
+    "what jetrl train runs on CPU)",
+}
+
+
+def describe_comparison(numerics: str, probe_len: int) -> list[str]:
+    """What the numeric table compares, in words (printed above it)."""
+    return [
+        f"compared: one prefill of the same {probe_len}-token probe through the trainer (the BF16 checkpoint "
+        f"converted with the recipe, {_NUMERICS_WORDS.get(numerics, numerics)}) and through the rollout engine.",
+        "W BYTES: the engine's fp8 weight bytes and scales of the Linear equal the trainer's (or differ).",
+        "X BYTES: the engine's fp8 input bytes and scales equal what the training quantizer makes of the engine's "
+        "own input, i.e. both sides quantize alike whatever the input (if the inputs are equal, also equal to the "
+        "trainer's bytes).",
+        "MAX|dX|: largest difference between the two sides' inputs of the Linear: drift carried in from the ops "
+        "before it (attention, norms, RoPE), which the FP8 recipe does not cover. MAX|dY| / SQNR dB: the Linear's "
+        "output difference and signal-to-noise ratio (inf: equal).",
+        "verdict: only differing W or X bytes are errors (the rollout would not compute what training computes "
+        "with); input/output drift with equal bytes is reported, not an error, so it can read CONSISTENT.",
+    ]
 
 
 def _rollout_index(rollout: ModelTrace) -> dict[str, tuple[str, int, int]]:
@@ -156,8 +221,11 @@ def compare_numeric(
             )
         del tinfo, rinfo
     logits = _logits(training, rollout)
+    numerics = training.meta.get("numerics", "hf")
     result: dict[str, Any] = {
         "probe": f"{probe_len} tokens, one prefill on each side",
+        "trainer_numerics": numerics,
+        "compared": describe_comparison(numerics, probe_len),
         "layers": rows,
         "first_divergence": first,
     }

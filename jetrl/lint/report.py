@@ -174,6 +174,7 @@ def group_findings(findings: list[Finding]) -> list[Finding]:
 
 def _numeric_table(num: dict[str, Any]) -> list[str]:
     lines = [f"numeric mode: {num.get('probe', '')}"]
+    lines += [f"  {sentence}" for sentence in num.get("compared", [])]
     rows = num.get("layers", [])
     if rows:
         lines.append(f"  {'LAYER':<40} {'W BYTES':<8} {'X BYTES':<8} {'MAX|dX|':>10} {'MAX|dY|':>10} {'SQNR dB':>8}")

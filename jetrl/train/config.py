@@ -82,6 +82,11 @@ class RunConfig:
     """torch intra-op threads for the trainer (0 = torch's default)."""
     progress: bool = True
     """Show a progress bar with ETA on stderr."""
+    loggers: tuple[str, ...] = ()
+    """Metric sinks beside ``metrics.jsonl`` (always written): 'tensorboard' (event files in
+    ``<run dir>/tensorboard/``, needs the tensorboard package) and/or 'wandb' (needs wandb; project
+    ``$WANDB_PROJECT`` or 'jetrl', run name ``run.name``). Keys that mean what a verl metric means are
+    logged under verl's name (`jetrl.train.loggers.VERL_NAMES`)."""
 
 
 @dataclass(frozen=True)
@@ -431,6 +436,19 @@ def _check_values(cfg: TrainConfig) -> None:
         raise _fail("task.name", f"{t.name!r}: choose 'arithmetic' or 'parquet'")
     if t.name == "parquet" and cfg.model.path is None:
         raise _fail("task.name", "'parquet' needs model.path (an HF model whose tokenizer has a chat template)")
+    if cfg.model.path is not None and w.steps:
+        raise _fail(
+            "warmup.steps",
+            f"{w.steps}: the supervised warm-up is for the embedded tiny model; set warmup.steps=0 when "
+            "model.path is given",
+        )
+    from .loggers import LOGGERS
+
+    for name in r.loggers:
+        if name not in LOGGERS:
+            raise _fail("run.loggers", f"unknown logger {name!r}; choose from {list(LOGGERS)}")
+    if len(set(r.loggers)) != len(r.loggers):
+        raise _fail("run.loggers", f"{list(r.loggers)} names a logger twice")
     if ro.samples_per_prompt < 2:
         raise _fail("rollout.samples_per_prompt", f"GRPO needs groups of >= 2 samples, got {ro.samples_per_prompt}")
     if not 0.0 < ro.temperature:

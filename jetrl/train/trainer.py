@@ -20,16 +20,23 @@ Start-up: config and environment checks (`jetrl.train.checks`), the cached super
 model), `convert_model` with the recipe, the engine, the precision lint (`jetrl.lint`, once; a
 violation refuses to train unless ``lint.allow_violations``), a first sync and a greedy evaluation.
 
-Resume (`Trainer(cfg, resume=True)`) reloads the newest checkpoint (masters, AdamW state, step),
-re-syncs the engine, truncates metrics.jsonl to the checkpoint's step and continues the same stream.
-Prompts and sampling seeds depend only on ``(run.seed, step)``, so the resumed run draws what the
-killed run would have drawn.
+Resume (`Trainer(cfg, resume=True)`) reloads the newest checkpoint that verifies (masters, AdamW
+state, step; `jetrl.train.checkpoint`: safetensors + JSON with checksums, never a pickle), says which
+newer ones it skipped, re-syncs the engine, truncates metrics.jsonl to the checkpoint's step and
+continues the same stream. Prompts and sampling seeds depend only on ``(run.seed, step)``, so the
+resumed run draws what the killed run would have drawn.
+
+Nothing is written before the config, the machine, the model's files and the requested loggers are
+checked: a run that cannot start leaves no run directory behind (and an existing one untouched).
+`current_step` / `last_checkpoint` say where an interrupted run stopped (the CLI's Ctrl-C line).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import platform
 import shutil
 import time
 from dataclasses import asdict, dataclass, replace
@@ -42,7 +49,9 @@ from . import algo
 from .checkpoint import CheckpointError, load_latest, save_checkpoint
 from .checks import check_environment
 from .config import TrainConfig
+from .loggers import check_loggers, open_loggers
 from .metrics import MetricsWriter, read_metrics
+from .modelfiles import check_model_dir
 from .policy import MixedPrecisionAdamW, TokenBatch, forward_logprobs, make_batch, micro_batches
 from .progress import ProgressBar
 from .task import ArithmeticTask, Problem, Stream
@@ -57,6 +66,7 @@ RESUMABLE_FIELDS = {
     ("run", "keep_checkpoints"),
     ("run", "threads"),
     ("run", "eval_every"),
+    ("run", "loggers"),
 }
 """Config fields a resumed run may change; any other difference from the saved config is refused."""
 
@@ -116,10 +126,19 @@ def _seed_of(seed: int, step: int, round_: int) -> int:
 class Trainer:
     """Owns the model, optimizer, engine and outputs of one run. `run()` trains and returns the summary."""
 
-    def __init__(self, cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, log=print):
-        self.cfg, self.resume, self.log = cfg, resume, log
+    def __init__(
+        self, cfg: TrainConfig, *, resume: bool = False, overwrite: bool = False, log=print, verbose: bool = True
+    ):
+        """`verbose=False` (the CLIs without --verbose) also hides the engine's weight-loading progress bar."""
+        self.cfg, self.resume, self.log, self.verbose = cfg, resume, log, verbose
         self.run_dir = cfg.run_dir
+        if cfg.model.path is not None:
+            check_model_dir(cfg.model.path)  # ModelFileError naming the file; before its config.json is read
         self.recipe = check_environment(cfg)  # before any work: raises ConfigError naming the field
+        check_loggers(cfg)
+        self.current_step = 0
+        """The step being run (0 during start-up); `last_checkpoint` the newest checkpoint's step."""
+        self.last_checkpoint: int | None = None
         self._prepare_run_dir(overwrite)
         if cfg.task.name == "parquet":
             from jetrl.tasks.dataset import ParquetTask
@@ -148,7 +167,9 @@ class Trainer:
             if diffs:
                 raise TrainError("--resume: the config differs from the run's saved config:\n  " + "\n  ".join(diffs))
         elif self.run_dir.exists() and any(self.run_dir.iterdir()):
-            if not overwrite:
+            if self._failed_start():
+                self.log(f"{self.run_dir}: replacing an earlier start that completed no step")
+            elif not overwrite:
                 raise TrainError(
                     f"run directory {self.run_dir} exists; pass --resume to continue it, --overwrite to replace "
                     "it, or choose another run.name"
@@ -156,6 +177,15 @@ class Trainer:
             shutil.rmtree(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         cfg_path.write_text(json.dumps(self.cfg.to_dict(), indent=2))
+
+    _START_FILES = {"config.json", "conversion.json", "lint.json", "host.json", "metrics.jsonl"}
+
+    def _failed_start(self) -> bool:
+        """The run directory holds only what a start that failed before its first step writes."""
+        names = {p.name for p in self.run_dir.iterdir()}
+        if not names <= self._START_FILES:
+            return False
+        return not read_metrics(self.run_dir / "metrics.jsonl")
 
     def setup(self) -> None:
         """Warm-up checkpoint, model + conversion, optimizer (+ resume), engine, lint, first sync."""
@@ -192,12 +222,23 @@ class Trainer:
         self.start_step = 0
         if self.resume:
             try:
-                self.start_step, state = load_latest(self.run_dir / "checkpoints")
+                found = load_latest(self.run_dir / "checkpoints")
             except CheckpointError as e:
                 raise TrainError(f"--resume: {e}") from None
+            for path, why in found.skipped:
+                self.log(f"resume: skipped {path.name}: {why}")
+            state = found.state
+            names = self._param_names()
+            if state.get("params") != names:
+                raise TrainError(
+                    f"--resume: {found.path} holds masters of {len(state.get('params') or [])} parameters that are "
+                    f"not this model's {len(names)} trainable parameters"
+                )
             self.opt.load_state_dict(state["optimizer"])
+            self.start_step = found.step
             self.state = state["trainer"]
-            self.log(f"resumed from step {self.start_step}")
+            self.last_checkpoint = found.step
+            self.log(f"resumed from step {self.start_step} ({found.path})")
         self.state.setdefault("wall_s_before", 0.0)
         from jetrl.rollout.adapter import create_engine
 
@@ -209,7 +250,7 @@ class Trainer:
             gpu_memory_utilization=r.gpu_memory_utilization,
             max_model_len=r.max_model_len,
             backend=cfg.run.gemm_backend,
-            **r.engine_kwargs,
+            **{**({} if self.verbose else {"use_tqdm_on_load": False}), **r.engine_kwargs},
         )
         self.log(f"engine: {self.engine.quantization or 'bf16'} started in {self.engine.start_seconds:.1f}s")
         self._check_numerics_path()
@@ -243,6 +284,17 @@ class Trainer:
         t0 = time.perf_counter()
         # the probe must fit the engine's context (the lint's default probe is 40 tokens + BOS)
         probe = probe_ids(self.init_path, length=min(40, self.cfg.rollout.max_model_len - 2))
+        training = None
+        if self.cfg.lint.numeric:  # the numeric table compares what this run computes: its own numerics
+            from jetrl.lint.numeric import capture_training_numerics
+
+            training = capture_training_numerics(
+                self.init_path,
+                self.recipe,
+                numerics=self.cfg.model.numerics,
+                probe=probe,
+                backend=self.cfg.run.gemm_backend,
+            )
         report = lint(
             self.init_path,
             self.recipe,
@@ -251,6 +303,7 @@ class Trainer:
             engine=self.engine,
             probe=probe,
             backend=self.cfg.run.gemm_backend,
+            training=training,
         )
         path = getattr(self, "numerics_path", None)
         if path is not None and not path.matched:
@@ -285,14 +338,30 @@ class Trainer:
 
         return sync_weights(self.model, self.engine, self.recipe)
 
+    def _param_names(self) -> list[str]:
+        """Names of the trainable parameters, in the order of the optimizer's masters."""
+        return [n for n, p in self.model.named_parameters() if p.requires_grad]
+
     def _load_policy(self):
         """The model of `init_path` in BF16 on the run's device, in eval mode (no dropout; no HF cache)."""
         from transformers import AutoModelForCausalLM
 
         cfg = self.cfg
-        model = AutoModelForCausalLM.from_pretrained(
-            self.init_path, dtype=torch.bfloat16, attn_implementation=cfg.model.attn_implementation
-        ).to(self.device)
+        if cfg.model.path is None:  # the warm-up cache: checked here (model.path was checked at start)
+            try:
+                check_model_dir(self.init_path, field="the warm-up cache")
+            except ValueError as e:
+                raise TrainError(f"{e}; delete {self.init_path} to rebuild it") from None
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                self.init_path, dtype=torch.bfloat16, attn_implementation=cfg.model.attn_implementation
+            ).to(self.device)
+        except (OSError, ValueError) as e:  # safetensors' SafetensorError is neither: caught below
+            raise TrainError(f"{self.init_path}: cannot load the model ({type(e).__name__}: {e})") from None
+        except Exception as e:  # noqa: BLE001
+            if type(e).__name__ != "SafetensorError":
+                raise
+            raise TrainError(f"{self.init_path}: a weights file is unreadable ({e})") from None
         if cfg.model.numerics == "vllm-cpu":
             from jetrl.rollout.engine_match import match_vllm_cpu
 
@@ -499,9 +568,22 @@ class Trainer:
         return float(correct.mean())
 
     # ------------------------------------------------------------------ loop
+    def checkpoint_state(self, step: int) -> dict[str, Any]:
+        """What a checkpoint holds (tensors, numbers, strings: `jetrl.train.checkpoint` stores it without
+        pickles): the optimizer (fp32 masters, AdamW moments), the trainer's counters, the names of the
+        trainable parameters the masters belong to (`jetrl export` maps them back by name)."""
+        return {
+            "step": step,
+            "params": self._param_names(),
+            "optimizer": self.opt.state_dict(),
+            "trainer": dict(self.state),
+        }
+
     def _checkpoint(self, step: int) -> None:
-        state = {"step": step, "optimizer": self.opt.state_dict(), "trainer": dict(self.state)}
-        save_checkpoint(self.run_dir / "checkpoints", step, state, keep=self.cfg.run.keep_checkpoints)
+        save_checkpoint(
+            self.run_dir / "checkpoints", step, self.checkpoint_state(step), keep=self.cfg.run.keep_checkpoints
+        )
+        self.last_checkpoint = step
 
     def step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -542,6 +624,8 @@ class Trainer:
         if step == self.cfg.run.steps or (ev and step % ev == 0):
             row["eval/accuracy"] = self._evaluate()
         row["time/step_s"] = time.perf_counter() - t0
+        if hasattr(os, "getloadavg"):  # the machine's load while this run was timed (plots compare under it)
+            row["host/load_1m"] = os.getloadavg()[0]
         return row
 
     def run(self) -> dict[str, Any]:
@@ -554,11 +638,15 @@ class Trainer:
         if self.start_step >= cfg.run.steps:
             self.log(f"nothing to do: checkpoint at step {self.start_step} >= run.steps={cfg.run.steps}")
         writer = MetricsWriter(self.run_dir / "metrics.jsonl", resume_step=self.start_step if self.resume else None)
+        self._write_host()
+        sinks = open_loggers(cfg, self.run_dir)
         bar = ProgressBar(cfg.run.steps, start=self.start_step, enabled=cfg.run.progress)
         try:
             for step in range(self.start_step + 1, cfg.run.steps + 1):
+                self.current_step = step
                 row = self.step(step)
                 writer.write(row)
+                sinks.log(row)
                 bar.update(
                     step, reward=row["reward/mean"], dlogp=row["mismatch/logp_abs_diff_mean"], step_s=row["time/step_s"]
                 )
@@ -569,6 +657,7 @@ class Trainer:
                     self._checkpoint(step)
         finally:
             writer.close()
+            sinks.close()
         self.state["wall_s_before"] += time.perf_counter() - t_start
         summary = self.summary()
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -576,6 +665,18 @@ class Trainer:
 
         plot_runs([self.run_dir], self.run_dir / "plots")
         return summary
+
+    def _write_host(self) -> None:
+        """``host.json``: where this run was timed (host, CPUs, device, threads); plots compare step times
+        of runs only when these agree and the load did (`jetrl.train.plots`)."""
+        info = {
+            "host": platform.node(),
+            "cpu_count": os.cpu_count(),
+            "device": self.cfg.run.device,
+            "gpu": torch.cuda.get_device_name() if self.device.type == "cuda" else None,
+            "torch_threads": torch.get_num_threads(),
+        }
+        (self.run_dir / "host.json").write_text(json.dumps(info, indent=2))
 
     def close(self) -> None:
         if self.engine is not None:

@@ -19,6 +19,7 @@ FROZEN_FLAGS = {
     "--recipe",
     "--rollout",
     "--numeric",
+    "--numerics",
     "--json",
     "--backend",
     "--served",
@@ -109,3 +110,77 @@ def test_a_crash_of_the_lint_exits_2_not_1(tiny_ckpt, monkeypatch, capsys):
     monkeypatch.setattr(api, "lint", boom)
     assert main(["--model", str(tiny_ckpt), "--recipe", "jetrl-unified", "--rollout", "stock-vllm"]) == 2
     assert "simulated internal failure" in capsys.readouterr().err
+
+
+def test_resolve_numerics_reads_the_exports_jetrl_json(tmp_path, tiny_ckpt):
+    from jetrl.lint.cli import resolve_numerics
+
+    (tmp_path / "jetrl.json").write_text(json.dumps({"numerics": "vllm-cpu", "recipe": "jetrl-unified"}))
+    assert resolve_numerics("auto", str(tmp_path), "jetrl-vllm") == "vllm-cpu"
+    assert resolve_numerics("hf", str(tmp_path), "jetrl-vllm") == "hf"  # an explicit choice wins
+    (tmp_path / "jetrl.json").write_text(json.dumps({"numerics": "hf"}))
+    assert resolve_numerics("auto", str(tmp_path), "jetrl-vllm") == "hf"
+    import torch
+
+    want = "hf" if torch.cuda.is_available() else "vllm-cpu"  # what jetrl train runs with the engine on CPU
+    assert resolve_numerics("auto", str(tiny_ckpt), "jetrl-vllm") == want
+    (tmp_path / "jetrl.json").write_text("{}")
+    assert main(["--model", str(tmp_path), "--recipe", "jetrl-unified", "--numeric"]) == 2
+
+
+def test_a_corrupt_checkpoint_points_to_the_served_flag_that_exists(tiny_ckpt, tmp_path):
+    """Through the real entry point: exit 2, one line naming the checkpoint, and the flag it suggests is
+    `--served` (there is no `--served-config`)."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in tiny_ckpt.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    w = bad / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:-4096])
+    argv = [sys.executable, "-m", "jetrl.cli", "lint", "--model", str(bad), "--recipe", "jetrl-unified"]
+    proc = subprocess.run([*argv, "--rollout", "stock-vllm"], capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    first = proc.stderr.splitlines()[0]
+    assert first.startswith(f"jetrl lint: error: cannot load {bad} as the trainer's BF16 HF model")
+    assert "--served:" in first and "--served-config" not in proc.stderr and "Traceback" not in proc.stderr
+    assert build_parser().parse_args(["--model", "m", "--recipe", "bf16", "--served", "x"]).served == "x"
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not vllm_available(), reason="needs vLLM (vllm-cpu) for a live rollout engine")
+def test_numeric_mode_uses_the_runs_numerics_and_says_what_it_compares(tiny_ckpt, probe, unified_engine):
+    """`--numeric` with the vllm-cpu numerics jetrl train runs on CPU: the graph check still passes, the
+    per-layer drift is what training sees (smaller than with transformers' ops), and the table says in
+    words what each column compares and why drift does not make the verdict inconsistent."""
+    from jetrl.lint.api import lint
+    from jetrl.lint.numeric import capture_training_numerics
+    from jetrl.recipe import Recipe
+
+    recipe = Recipe.from_name("jetrl-unified")
+    drift = {}
+    for numerics in ("hf", "vllm-cpu"):
+        cap = capture_training_numerics(tiny_ckpt, recipe, numerics=numerics, probe=probe)
+        report = lint(tiny_ckpt, recipe, numeric=True, engine=unified_engine, training=cap, probe=probe)
+        assert report.ok, report.table()
+        assert report.numeric["trainer_numerics"] == numerics
+        rows = [r for r in report.numeric["layers"] if r.get("input_max_abs_diff") is not None]
+        assert all(r["weight_bytes_equal"] and r["act_bytes_equal"] for r in rows)
+        drift[numerics] = sum(r["input_max_abs_diff"] for r in rows)
+        table = report.table()
+        assert f"model.numerics '{numerics}'" in table
+        for col in ("W BYTES:", "X BYTES:", "MAX|dX|:", "verdict: only differing W or X bytes are errors"):
+            assert col in table, col
+    assert drift["vllm-cpu"] < drift["hf"], drift
+
+
+def test_readme_lint_commands_use_real_flags_and_say_where_ckpt_comes_from():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    lines = [ln for ln in readme.splitlines() if ln.lstrip().startswith("jetrl lint ")]
+    assert lines
+    known = {s for a in build_parser()._actions for s in a.option_strings}
+    for ln in lines:
+        assert set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", ln.split("#")[0])) <= known, ln
+    assert re.search(r"`CKPT` is the trainer's BF16\s+HF checkpoint: `jetrl export RUN_DIR` writes one", readme)
