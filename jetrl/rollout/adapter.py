@@ -281,6 +281,7 @@ class Engine:
         ]
         prompts = [{"prompt_token_ids": list(map(int, p))} for p in prompt_token_ids]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
+        self.check_nonfinite()
         samples = []
         for prompt, out in zip(prompt_token_ids, outs, strict=True):
             for comp in out.outputs:
@@ -290,6 +291,13 @@ class Engine:
                 lps = [float(comp.logprobs[i][t].logprob) for i, t in enumerate(ids)]
                 samples.append(Sample(list(map(int, prompt)), ids, lps, comp.finish_reason))
         return samples
+
+    def check_nonfinite(self) -> None:
+        """Raise `jetrl.quant.NonFiniteError` naming each rollout Linear whose input held NaN/Inf since the
+        last check (the device flags the jetrl methods set inside the compiled graph), in every worker."""
+        from jetrl.rollout.methods import check_rollout_nonfinite
+
+        self.apply(lambda _model: check_rollout_nonfinite())
 
     def apply(self, fn: Callable[[Any], Any]) -> list[Any]:
         """Run ``fn(model)`` on the model in every worker (vLLM ``LLM.apply_model``); one result per worker."""
