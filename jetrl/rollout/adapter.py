@@ -241,6 +241,10 @@ class Engine:
         self.start_seconds = start_seconds
         """Wall seconds ``vllm.LLM(...)`` took (model load, quantization, KV cache, warm-up)."""
         self._asleep = False
+        from jetrl.rollout.methods import reset_rollout_nonfinite
+
+        # vLLM's start-up runs (profiling, CUDA-graph capture) compute on dummy data: not the user's inputs
+        self.apply(lambda _model: reset_rollout_nonfinite())
 
     @property
     def quantization(self) -> str | None:

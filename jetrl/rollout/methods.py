@@ -22,7 +22,8 @@ Two rollout precisions exist, chosen by the recipe's rollout QuantSpecs:
 Every method is compile-safe (vLLM runs them under torch.compile with CUDA graphs): the FP8 forwards
 are opaque torch ops, and nothing in them synchronises with the host on CUDA. Non-finite Linear
 input is never dropped silently: CPU raises at once, CUDA sets a device flag (the naive method's
-per-layer flag, the Triton quantizer's flag in block mode) that `check_rollout_nonfinite` turns into
+per-layer flag, over the step's real token rows; the Triton quantizer's flag in block mode, which the
+trainer's `jetrl.kernels.check_nonfinite` reads) that `check_rollout_nonfinite` turns into
 `NonFiniteError` naming the layer after each generate.
 
 `RolloutQuantConfig` is the serialisable description handed to vLLM (as the checkpoint's
@@ -52,6 +53,8 @@ __all__ = [
     "rollout_linear_fp8_naive",
     "nonfinite_flag",
     "check_rollout_nonfinite",
+    "reset_rollout_nonfinite",
+    "set_row_mask_provider",
 ]
 
 CHECKPOINT_FORMATS = ("bf16", "fp8-128x128")
@@ -231,9 +234,13 @@ def naive_forward_impl(x, w_q, w_s, bias, act_spec: QuantSpec, name: str, *, def
     if not defer:
         return _naive_eager(x, w_q, w_s, bias, act_spec, name)
     flag = nonfinite_flag(name, x.device)
+    rows = None if _row_mask_provider is None else _row_mask_provider(x.reshape(-1, x.shape[-1]).shape[0])
 
     def _record(t: torch.Tensor, _name: str) -> None:
-        flag.bitwise_or_((~torch.isfinite(t)).any().to(torch.int32).reshape(1))
+        bad = ~torch.isfinite(t)
+        if rows is not None and t.dim() == 2 and t.shape[0] == rows.shape[0]:
+            bad = bad.any(-1) & rows  # padding rows of a CUDA-graph batch hold stale memory: not inputs
+        flag.bitwise_or_(bad.any().to(torch.int32).reshape(1))
 
     with defer_finite_checks(_record):
         return _naive_eager(x, w_q, w_s, bias, act_spec, name)
@@ -263,6 +270,21 @@ def _(x, w_q, w_s, bias, eps, scale_format, division, name):
 
 # -- non-finite flags of the rollout methods ----------------------------------------------------
 
+_row_mask_provider = None
+"""None, or ``fn(n_rows) -> bool [n_rows] device tensor | None``: which rows of the current engine step's
+Linear inputs are real tokens. vLLM pads a CUDA-graph batch to its captured size and leaves the padding
+rows' activations unwritten (stale memory, NaN bit patterns included), so the deferred finite test looks
+at real rows only. Set by the vLLM plugin (`set_row_mask_provider`), which reads vLLM's step context."""
+
+
+def set_row_mask_provider(fn) -> None:
+    """Install (or, with None, remove) the `_row_mask_provider` of this process."""
+    global _row_mask_provider
+    if fn is not None and not callable(fn):
+        raise TypeError(f"set_row_mask_provider: expected a callable or None, got {fn!r}")
+    _row_mask_provider = fn
+
+
 _flag_lock = threading.Lock()
 _flags: dict[tuple[str, torch.device], torch.Tensor] = {}
 """(layer input name, device) -> int32 [1], set to 1 by the device when that input held NaN/Inf.
@@ -277,17 +299,28 @@ def nonfinite_flag(name: str, device: torch.device | str) -> torch.Tensor:
     with _flag_lock:
         flag = _flags.get(key)
         if flag is None:
-            flag = _flags[key] = torch.zeros(1, dtype=torch.int32, device=device)
+            # a normal tensor even when first reached under vLLM's inference mode (an inference tensor
+            # could not be cleared by `check_rollout_nonfinite` outside it)
+            with torch.inference_mode(False):
+                flag = _flags[key] = torch.zeros(1, dtype=torch.int32, device=device)
     return flag
 
 
-def check_rollout_nonfinite(*, kernels: bool | None = None, reset: bool = True) -> None:
+def reset_rollout_nonfinite() -> None:
+    """Clear the rollout methods' flags without checking (after an engine's warm-up on dummy data)."""
+    with _flag_lock:
+        for flag in _flags.values():
+            flag.zero_()
+
+
+def check_rollout_nonfinite(*, kernels: bool = False, reset: bool = True) -> None:
     """Raise `NonFiniteError` naming every rollout Linear input that held NaN/Inf since the last check.
 
-    Reads the naive method's per-layer flags (one device-to-host copy per device) and, with `kernels`
-    (default: when CUDA is available), the Triton kernels' flags (`jetrl.kernels.check_nonfinite`,
-    which the jetrl_fp8 method's activation quantizer sets). Call after a generate, outside any graph.
-    With `reset` the flags are cleared, also when raising."""
+    Reads the naive method's per-layer flags (one device-to-host copy per device) and, with `kernels`,
+    also the Triton kernels' flags (`jetrl.kernels.check_nonfinite`; the jetrl_fp8 method's activation
+    quantizer sets them, on every row of its input, CUDA-graph padding rows included, and the trainer
+    reads them each step). Call after a generate, outside any graph. With `reset` the flags are
+    cleared, also when raising."""
     bad: list[str] = []
     with _flag_lock:
         by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
@@ -299,8 +332,6 @@ def check_rollout_nonfinite(*, kernels: bool | None = None, reset: bool = True) 
             if reset and any(hits):
                 for _, f in items:
                     f.zero_()
-    if kernels is None:
-        kernels = torch.cuda.is_available()
     kernel_error = None
     if kernels:
         from jetrl.kernels import check_nonfinite

@@ -189,6 +189,37 @@ def test_deferred_naive_forward_sets_the_layer_flag_and_check_raises_with_its_na
     check_rollout_nonfinite(kernels=False)  # reset by the raise
 
 
+def test_deferred_check_skips_cuda_graph_padding_rows():
+    """vLLM pads a CUDA-graph batch and leaves the padding rows unwritten: only real rows are inputs."""
+    from jetrl.rollout.methods import set_row_mask_provider
+
+    x, w = _operands(m=4)
+    w_q, w_s = naive_quantize_weight(w, NAIVE.rollout_weight, name="w")
+    real = torch.tensor([True, True, True, False])  # 3 tokens padded to a captured size of 4
+    seen = []
+
+    def provider(n_rows):
+        seen.append(n_rows)
+        return real
+
+    set_row_mask_provider(provider)
+    try:
+        stale = x.clone()
+        stale[3] = float("nan")  # the padding row's stale memory
+        naive_forward_impl(stale, w_q, w_s, None, ACT, "l.down:input", defer=True)
+        check_rollout_nonfinite()
+        bad = x.clone()
+        bad[1, 9] = float("-inf")  # a real token
+        naive_forward_impl(bad.reshape(2, 2, 256), w_q, w_s, None, ACT, "l.down:input", defer=True)
+        with pytest.raises(NonFiniteError, match=r"l\.down:input"):
+            check_rollout_nonfinite()
+        assert seen == [4, 4]
+    finally:
+        set_row_mask_provider(None)
+    with pytest.raises(TypeError, match="callable"):
+        set_row_mask_provider(3)
+
+
 # -- GPU: CUDA graphs -------------------------------------------------------------------------------
 
 
