@@ -12,7 +12,7 @@ show), all over every response token and over the tokens up to each response's f
 |dlogp| per token-position bin. Responses run to ``--max-tokens`` (``ignore_eos``).
 
 Model: the tiny Qwen3 (`jetrl.tiny`, ``--model-overrides`` JSON to change its shape) after jetrl's
-supervised warm-up on the arithmetic task (`jetrl.train.warmup.supervised_warmup`), on the bench's device.
+supervised warm-up on the arithmetic task (`jetrl.train.warmup.supervised_warmup`, on the CPU as `jetrl train` runs it).
 
     python scripts/bench_fidelity.py --out scripts/results/fidelity-nvidia-h200.json   # H200, vLLM 0.26
     python scripts/bench_fidelity.py --enforce-eager --max-tokens 48 --prompts 4 --warmup-steps 30  # CPU smoke
@@ -314,7 +314,7 @@ def _model_overrides(args) -> dict:
 
 def make_checkpoint(args, root: Path) -> tuple[Path, dict]:
     """The tiny Qwen3 of `args.seed` after jetrl's supervised warm-up on the arithmetic task (float32,
-    on the bench's device), saved in BF16 as the checkpoint every mode starts from."""
+    on the CPU), saved in BF16 as the checkpoint every mode starts from."""
     import torch
 
     from jetrl.tiny import CharTokenizer, build_tiny_model, save_checkpoint
@@ -323,8 +323,7 @@ def make_checkpoint(args, root: Path) -> tuple[Path, dict]:
 
     over = _model_overrides(args)
     tok = CharTokenizer()
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = build_tiny_model(args.seed, **over).float().to(device)
+    model = build_tiny_model(args.seed, **over).float()  # the warm-up's batches are CPU tensors, as in jetrl train
     task = ArithmeticTask(args.seed, 0, 99, ("+",))
     info = {"steps": args.warmup_steps, "batch_size": args.warmup_batch, "lr": args.warmup_lr}
     if args.warmup_steps:
