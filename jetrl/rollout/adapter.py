@@ -241,10 +241,16 @@ class Engine:
         self.start_seconds = start_seconds
         """Wall seconds ``vllm.LLM(...)`` took (model load, quantization, KV cache, warm-up)."""
         self._asleep = False
-        from jetrl.rollout.methods import reset_rollout_nonfinite
+        if in_process:
+            from jetrl.rollout.methods import reset_rollout_nonfinite
 
-        # vLLM's start-up runs (profiling, CUDA-graph capture) compute on dummy data: not the user's inputs
-        self.apply(lambda _model: reset_rollout_nonfinite())
+            # vLLM's start-up runs (profiling, CUDA-graph capture) compute on dummy data: not the user's inputs
+            self.apply(lambda _model: reset_rollout_nonfinite())
+        else:
+            _log.warning(
+                "jetrl rollout: engine runs out of process; on CUDA the rollout Linears' non-finite flags live in its "
+                "workers and Engine.generate cannot read them (NaN/Inf inputs there go unreported)"
+            )
 
     @property
     def quantization(self) -> str | None:
@@ -298,7 +304,10 @@ class Engine:
 
     def check_nonfinite(self) -> None:
         """Raise `jetrl.quant.NonFiniteError` naming each rollout Linear whose input held NaN/Inf since the
-        last check (the device flags the jetrl methods set inside the compiled graph), in every worker."""
+        last check (the device flags the jetrl methods set inside the compiled graph). In-process engines
+        only (an out-of-process engine's flags stay in its workers; `create_engine` warns)."""
+        if not self.in_process:
+            return  # flags live in the worker processes (warned at creation)
         from jetrl.rollout.methods import check_rollout_nonfinite
 
         self.apply(lambda _model: check_rollout_nonfinite())

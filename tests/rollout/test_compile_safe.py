@@ -220,6 +220,31 @@ def test_deferred_check_skips_cuda_graph_padding_rows():
         set_row_mask_provider(3)
 
 
+class _FakeLLM:
+    """What `Engine` needs of ``vllm.LLM`` for the flag bookkeeping: ``apply_model`` on an in-process model."""
+
+    def apply_model(self, fn):
+        return [fn(None)]
+
+
+def test_engine_clears_start_up_flags_and_checks_them_after_generate(caplog):
+    from jetrl.rollout.adapter import Engine
+
+    x, w = _operands()
+    w_q, w_s = naive_quantize_weight(w, NAIVE.rollout_weight, name="w")
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    naive_forward_impl(bad, w_q, w_s, None, ACT, "warmup.layer:input", defer=True)  # a start-up dummy run
+    engine = Engine(_FakeLLM(), NAIVE, rollout="jetrl", in_process=True, start_seconds=0.0)
+    engine.check_nonfinite()  # cleared at creation
+    naive_forward_impl(bad, w_q, w_s, None, ACT, "model.layers.1.mlp.up:input", defer=True)
+    with pytest.raises(NonFiniteError, match=r"model\.layers\.1\.mlp\.up:input"):
+        engine.check_nonfinite()
+    with caplog.at_level("WARNING"):
+        Engine(_FakeLLM(), NAIVE, rollout="jetrl", in_process=False, start_seconds=0.0)
+    assert "out of process" in caplog.text
+
+
 # -- GPU: CUDA graphs -------------------------------------------------------------------------------
 
 
