@@ -34,6 +34,9 @@ CPU rollout engine and a CPU trainer agree bit for bit.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 
 from jetrl.recipe import BLOCK, DEFAULT_EPS, E4M3_MAX, Division, Granularity, QuantSpec, ScaleFormat
@@ -42,6 +45,7 @@ __all__ = [
     "FP8_DTYPE",
     "NonFiniteError",
     "check_finite",
+    "defer_finite_checks",
     "compute_scale",
     "quantize_1x128",
     "quantize_128x1",
@@ -71,8 +75,33 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+_finite_sink: contextvars.ContextVar = contextvars.ContextVar("jetrl_finite_sink", default=None)
+
+
+@contextlib.contextmanager
+def defer_finite_checks(sink):
+    """Within the block, `check_finite(x, name)` calls ``sink(x, name)`` instead of testing `x` on the host.
+
+    For code that must not synchronise with the device (a CUDA-graph capture, a compiled region):
+    the sink records the test on the device (e.g. ORs ``~isfinite(x).any()`` into a flag) and its
+    owner raises `NonFiniteError` with the name after the graph ran. The check is moved, never
+    dropped: the sink is required (None is refused)."""
+    if sink is None or not callable(sink):
+        raise TypeError(f"defer_finite_checks: sink must be callable(x, name), got {sink!r}")
+    token = _finite_sink.set(sink)
+    try:
+        yield
+    finally:
+        _finite_sink.reset(token)
+
+
 def check_finite(x: torch.Tensor, name: str) -> None:
-    """Raise `NonFiniteError` naming `name` if `x` holds a NaN or an Inf."""
+    """Raise `NonFiniteError` naming `name` if `x` holds a NaN or an Inf (inside `defer_finite_checks`,
+    hand the test to its sink instead)."""
+    sink = _finite_sink.get()
+    if sink is not None:
+        sink(x, name)
+        return
     if x.numel() and not bool(torch.isfinite(x).all()):
         n_nan = int(torch.isnan(x).sum())
         n_inf = int(torch.isinf(x).sum())

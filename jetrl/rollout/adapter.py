@@ -251,6 +251,16 @@ class Engine:
         self.start_seconds = start_seconds
         """Wall seconds ``vllm.LLM(...)`` took (model load, quantization, KV cache, warm-up)."""
         self._asleep = False
+        if in_process:
+            from jetrl.rollout.methods import reset_rollout_nonfinite
+
+            # vLLM's start-up runs (profiling, CUDA-graph capture) compute on dummy data: not the user's inputs
+            self.apply(lambda _model: reset_rollout_nonfinite())
+        else:
+            _log.warning(
+                "jetrl rollout: engine runs out of process; on CUDA the rollout Linears' non-finite flags live in its "
+                "workers and Engine.generate cannot read them (NaN/Inf inputs there go unreported)"
+            )
 
     @property
     def quantization(self) -> str | None:
@@ -291,6 +301,7 @@ class Engine:
         ]
         prompts = [{"prompt_token_ids": list(map(int, p))} for p in prompt_token_ids]
         outs = self.llm.generate(prompts, params, use_tqdm=False)
+        self.check_nonfinite()
         samples = []
         for prompt, out in zip(prompt_token_ids, outs, strict=True):
             for comp in out.outputs:
@@ -300,6 +311,16 @@ class Engine:
                 lps = [float(comp.logprobs[i][t].logprob) for i, t in enumerate(ids)]
                 samples.append(Sample(list(map(int, prompt)), ids, lps, comp.finish_reason))
         return samples
+
+    def check_nonfinite(self) -> None:
+        """Raise `jetrl.quant.NonFiniteError` naming each rollout Linear whose input held NaN/Inf since the
+        last check (the device flags the jetrl methods set inside the compiled graph). In-process engines
+        only (an out-of-process engine's flags stay in its workers; `create_engine` warns)."""
+        if not self.in_process:
+            return  # flags live in the worker processes (warned at creation)
+        from jetrl.rollout.methods import check_rollout_nonfinite
+
+        self.apply(lambda _model: check_rollout_nonfinite())
 
     def apply(self, fn: Callable[[Any], Any]) -> list[Any]:
         """Run ``fn(model)`` on the model in every worker (vLLM ``LLM.apply_model``); one result per worker."""

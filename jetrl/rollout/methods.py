@@ -19,6 +19,13 @@ Two rollout precisions exist, chosen by the recipe's rollout QuantSpecs:
   tensor's single scale broadcast over the 128-groups (the same real number per group, so the sum is
   unchanged). vLLM quantizes a fused ``qkv_proj`` / ``gate_up_proj`` as ONE tensor, and so do we.
 
+Every method is compile-safe (vLLM runs them under torch.compile with CUDA graphs): the FP8 forwards
+are opaque torch ops, and nothing in them synchronises with the host on CUDA. Non-finite Linear
+input is never dropped silently: CPU raises at once, CUDA sets a device flag (the naive method's
+per-layer flag, over the step's real token rows; the Triton quantizer's flag in block mode, which the
+trainer's `jetrl.kernels.check_nonfinite` reads) that `check_rollout_nonfinite` turns into
+`NonFiniteError` naming the layer after each generate.
+
 `RolloutQuantConfig` is the serialisable description handed to vLLM (as the checkpoint's
 ``quantization_config``) and read back by the plugin in every worker.
 """
@@ -26,11 +33,12 @@ Two rollout precisions exist, chosen by the recipe's rollout QuantSpecs:
 from __future__ import annotations
 
 import dataclasses
+import threading
 from dataclasses import dataclass
 
 import torch
 
-from jetrl.quant import ceil_div, gemm_emulated, quantize
+from jetrl.quant import NonFiniteError, ceil_div, defer_finite_checks, gemm_emulated, quantize
 from jetrl.recipe import BLOCK, Granularity, QuantSpec, Recipe, RecipeError
 
 __all__ = [
@@ -41,6 +49,12 @@ __all__ = [
     "block_forward",
     "naive_quantize_weight",
     "naive_forward",
+    "naive_forward_impl",
+    "rollout_linear_fp8_naive",
+    "nonfinite_flag",
+    "check_rollout_nonfinite",
+    "reset_rollout_nonfinite",
+    "set_row_mask_provider",
 ]
 
 CHECKPOINT_FORMATS = ("bf16", "fp8-128x128")
@@ -179,15 +193,28 @@ def naive_quantize_weight(w: torch.Tensor, spec: QuantSpec, *, name: str) -> tup
 def naive_forward(x, w_q, w_s, bias, *, act_spec: QuantSpec, name: str) -> torch.Tensor:
     """Per-token activations x per-tensor weight, emulated exactly (float64 block sums).
 
-    Input: x ``[..., K]``, w_q e4m3 ``[N, K]``, w_s fp32 ``[]`` (or one element). Output ``[..., N]`` in x.dtype."""
+    Input: x ``[..., K]``, w_q e4m3 ``[N, K]``, w_s fp32 ``[]`` (or one element). Output ``[..., N]`` in x.dtype.
+
+    Compile-safe: the computation is the opaque torch op ``jetrl::rollout_linear_fp8_naive``, so vLLM's
+    torch.compile (fullgraph) sees one node and CUDA-graph capture never reaches a host sync. Non-finite
+    input raises `NonFiniteError` naming `name` at once on CPU; on CUDA the test runs on the device
+    into this layer's flag, and `check_rollout_nonfinite` (called after every generate) raises with the
+    name."""
     if act_spec.granularity is not Granularity.PER_TOKEN:
         raise ValueError(f"{name}: naive activation quantization is per-token, got {act_spec.label()}")
     k = x.shape[-1]
-    n = w_q.shape[0]
     if w_q.dim() != 2 or w_q.shape[1] != k:
         raise ValueError(f"{name}: input has K={k} features but the weight is {tuple(w_q.shape)}")
     if w_s.numel() != 1:
         raise ValueError(f"{name}: naive weight scale must be one value per tensor, got shape {tuple(w_s.shape)}")
+    return rollout_linear_fp8_naive(
+        x, w_q, w_s, bias, act_spec.eps, act_spec.scale_format.value, act_spec.division.value, name
+    )
+
+
+def _naive_eager(x, w_q, w_s, bias, act_spec: QuantSpec, name: str) -> torch.Tensor:
+    k = x.shape[-1]
+    n = w_q.shape[0]
     x2 = x.reshape(-1, k)
     x_q, x_s = quantize(x2, act_spec, name=name)  # x_s [M, 1]
     kb = ceil_div(k, BLOCK)
@@ -198,3 +225,128 @@ def naive_forward(x, w_q, w_s, bias, *, act_spec: QuantSpec, name: str) -> torch
     if bias is not None:
         y = y + bias.to(x.dtype)
     return y.reshape(*x.shape[:-1], n)
+
+
+def naive_forward_impl(x, w_q, w_s, bias, act_spec: QuantSpec, name: str, *, defer: bool) -> torch.Tensor:
+    """The eager body of ``jetrl::rollout_linear_fp8_naive``. `defer` False: non-finite `x` raises at
+    once (what CPU runs). `defer` True (what CUDA runs): no host synchronisation; the finite test is
+    recorded in `nonfinite_flag(name, x.device)` for `check_rollout_nonfinite`."""
+    if not defer:
+        return _naive_eager(x, w_q, w_s, bias, act_spec, name)
+    flag = nonfinite_flag(name, x.device)
+    rows = None if _row_mask_provider is None else _row_mask_provider(x.reshape(-1, x.shape[-1]).shape[0])
+
+    def _record(t: torch.Tensor, _name: str) -> None:
+        bad = ~torch.isfinite(t)
+        if rows is not None and t.dim() == 2 and t.shape[0] == rows.shape[0]:
+            bad = bad.any(-1) & rows  # padding rows of a CUDA-graph batch hold stale memory: not inputs
+        flag.bitwise_or_(bad.any().to(torch.int32).reshape(1))
+
+    with defer_finite_checks(_record):
+        return _naive_eager(x, w_q, w_s, bias, act_spec, name)
+
+
+@torch.library.custom_op("jetrl::rollout_linear_fp8_naive", mutates_args=())
+def rollout_linear_fp8_naive(
+    x: torch.Tensor,
+    w_q: torch.Tensor,
+    w_s: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    scale_format: str,
+    division: str,
+    name: str,
+) -> torch.Tensor:
+    """`naive_forward` as one opaque torch op (see there). The layer's non-finite flag is written as a
+    side effect on CUDA, like the Triton kernels' flags."""
+    spec = QuantSpec(Granularity.PER_TOKEN, scale_format=scale_format, eps=eps, division=division)
+    return naive_forward_impl(x, w_q, w_s, bias, spec, name, defer=x.is_cuda).contiguous()
+
+
+@rollout_linear_fp8_naive.register_fake
+def _(x, w_q, w_s, bias, eps, scale_format, division, name):
+    return x.new_empty((*x.shape[:-1], w_q.shape[0]))
+
+
+# -- non-finite flags of the rollout methods ----------------------------------------------------
+
+_row_mask_provider = None
+"""None, or ``fn(n_rows) -> bool [n_rows] device tensor | None``: which rows of the current engine step's
+Linear inputs are real tokens. vLLM pads a CUDA-graph batch to its captured size and leaves the padding
+rows' activations unwritten (stale memory, NaN bit patterns included), so the deferred finite test looks
+at real rows only. Set by the vLLM plugin (`set_row_mask_provider`), which reads vLLM's step context."""
+
+
+def set_row_mask_provider(fn) -> None:
+    """Install (or, with None, remove) the `_row_mask_provider` of this process."""
+    global _row_mask_provider
+    if fn is not None and not callable(fn):
+        raise TypeError(f"set_row_mask_provider: expected a callable or None, got {fn!r}")
+    _row_mask_provider = fn
+
+
+_flag_lock = threading.Lock()
+_flags: dict[tuple[str, torch.device], torch.Tensor] = {}
+"""(layer input name, device) -> int32 [1], set to 1 by the device when that input held NaN/Inf.
+One tensor per name, allocated at its first (eager, pre-capture) call and never reallocated, so a
+captured CUDA graph keeps writing where `check_rollout_nonfinite` reads."""
+
+
+def nonfinite_flag(name: str, device: torch.device | str) -> torch.Tensor:
+    """The device flag of the rollout Linear input `name` on `device` (created zeroed on first use)."""
+    device = torch.device(device)
+    key = (name, device)
+    with _flag_lock:
+        flag = _flags.get(key)
+        if flag is None:
+            # a normal tensor even when first reached under vLLM's inference mode (an inference tensor
+            # could not be cleared by `check_rollout_nonfinite` outside it)
+            with torch.inference_mode(False):
+                flag = _flags[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return flag
+
+
+def reset_rollout_nonfinite() -> None:
+    """Clear the rollout methods' flags without checking (after an engine's warm-up on dummy data)."""
+    with _flag_lock:
+        for flag in _flags.values():
+            flag.zero_()
+
+
+def check_rollout_nonfinite(*, kernels: bool = False, reset: bool = True) -> None:
+    """Raise `NonFiniteError` naming every rollout Linear input that held NaN/Inf since the last check.
+
+    Reads the naive method's per-layer flags (one device-to-host copy per device) and, with `kernels`,
+    also the Triton kernels' flags (`jetrl.kernels.check_nonfinite`; the jetrl_fp8 method's activation
+    quantizer sets them, on every row of its input, CUDA-graph padding rows included, and the trainer
+    reads them each step). Call after a generate, outside any graph. With `reset` the flags are
+    cleared, also when raising."""
+    bad: list[str] = []
+    with _flag_lock:
+        by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+        for (name, device), flag in _flags.items():
+            by_device.setdefault(device, []).append((name, flag))
+        for device, items in by_device.items():
+            hits = torch.cat([f for _, f in items]).tolist()  # the one device->host sync per device
+            bad += [f"{name} ({device})" for (name, _), h in zip(items, hits, strict=True) if h]
+            if reset and any(hits):
+                for _, f in items:
+                    f.zero_()
+    kernel_error = None
+    if kernels:
+        from jetrl.kernels import check_nonfinite
+
+        try:
+            check_nonfinite(reset=reset)
+        except NonFiniteError as e:
+            kernel_error = str(e)
+    if bad or kernel_error:
+        parts = []
+        if bad:
+            parts.append("naive FP8 Linear inputs: " + "; ".join(bad))
+        if kernel_error:
+            parts.append(kernel_error)
+        raise NonFiniteError(
+            "non-finite values (NaN/Inf) reached the rollout's FP8 Linears; the samples are invalid: "
+            + " | ".join(parts)
+        )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["trainer_logprobs", "logprob_mismatch"]
+__all__ = ["trainer_logprobs", "trainer_scores", "token_mismatch", "logprob_mismatch"]
 
 
 def trainer_logprobs(model: torch.nn.Module, prompt_ids: list[int], response_ids: list[int]) -> torch.Tensor:
@@ -21,6 +21,42 @@ def trainer_logprobs(model: torch.nn.Module, prompt_ids: list[int], response_ids
     p = len(prompt_ids)
     tgt = torch.tensor(response_ids, device=device)[:, None]
     return logp[p - 1 : -1].gather(-1, tgt)[:, 0].cpu()
+
+
+def trainer_scores(
+    model: torch.nn.Module, prompt_ids: list[int], response_ids: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, entropies), fp32 ``[len(response_ids)]`` each, on CPU: the trainer's log-prob of each
+    response token (as `trainer_logprobs`) and the entropy in nats of its full next-token distribution
+    at that position (how peaked the policy is where it sampled)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(prompt_ids) + list(response_ids)], device=device)
+    with torch.no_grad():
+        p = len(prompt_ids)
+        logp = model(ids).logits[0, p - 1 : -1].float().log_softmax(-1)
+        tgt = torch.tensor(response_ids, device=device)[:, None]
+        lp = logp.gather(-1, tgt)[:, 0]
+        ent = -(logp.exp() * logp).sum(-1)
+    return lp.cpu(), ent.cpu()
+
+
+def token_mismatch(model: torch.nn.Module, samples) -> list[dict]:
+    """Per sample with a response: ``{"rollout", "trainer", "entropy"}`` fp32 tensors over its response
+    tokens (the engine's log-probs, the trainer's, the trainer's entropy), position 0 = first response token."""
+    out = []
+    for s in samples:
+        if not s.response_ids:
+            continue
+        if len(s.response_logprobs) != len(s.response_ids):
+            raise ValueError(
+                f"token_mismatch: a sample has {len(s.response_ids)} response tokens but "
+                f"{len(s.response_logprobs)} log-probs"
+            )
+        lp, ent = trainer_scores(model, s.prompt_ids, s.response_ids)
+        out.append({"rollout": torch.tensor(s.response_logprobs, dtype=torch.float32), "trainer": lp, "entropy": ent})
+    if not out:
+        raise ValueError("token_mismatch: no response tokens in the samples")
+    return out
 
 
 def logprob_mismatch(model: torch.nn.Module, samples) -> dict:

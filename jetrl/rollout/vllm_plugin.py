@@ -53,6 +53,7 @@ from jetrl.rollout.methods import (
     block_quantize_weight,
     naive_forward,
     naive_quantize_weight,
+    set_row_mask_provider,
 )
 
 __all__ = [
@@ -299,8 +300,27 @@ class JetFP8NaiveLinearMethod(_JetLinearBase):
         return naive_forward(x, layer.weight, layer.weight_scale, bias, act_spec=spec, name=f"{self.prefix}:input")
 
 
+def _real_token_rows(n_rows: int) -> torch.Tensor | None:
+    """Bool ``[n_rows]``: True for the current step's real tokens, False for CUDA-graph padding (and for
+    every row of a dummy run), from vLLM's step slot mapping (-1 = no KV slot). None outside a step
+    or when the mapping does not cover exactly `n_rows` rows (micro-batched steps): then every row counts.
+    Read inside the naive op's eager body, so a captured graph reads the persistent buffer each replay."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    mapping = getattr(get_forward_context(), "slot_mapping", None)
+    if not isinstance(mapping, dict) or not mapping:
+        return None
+    slots = next(iter(mapping.values()))
+    if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.shape[0] != n_rows:
+        return None
+    return slots >= 0
+
+
 def register() -> None:
     """Register ``jetrl_fp8`` and ``jetrl_fp8_naive`` with vLLM (idempotent; vLLM calls it per process)."""
+    set_row_mask_provider(_real_token_rows)
     for cls in (JetFP8LinearMethod, JetFP8NaiveLinearMethod, JetBF16LinearMethod):
         if cls.__name__ not in WEIGHT_LOADER_V2_SUPPORTED:
             # weight_loader_v2 is the loader that knows BlockQuantScaleParameter's fused-shard offsets

@@ -228,23 +228,40 @@ def test_gpu_backends_agree(m, n, k, role):
     assert s >= 40, f"deepgemm vs torch-blockwise {role} {m=} {n=} {k=}: sqnr={s:.1f} dB"
 
 
+def _raw_scaled_mm_diagnostic(a, a_s, b, b_s, emu, k: int, role: str) -> str:
+    """What cuBLASLt's raw 128x128-scaled ``torch._scaled_mm`` (no K padding) gives at this K: a recorded
+    diagnostic of a third-party behaviour, not a jetrl guarantee (its SQNR has varied across runs, e.g.
+    23.5 dB at K=384 on the H200 where another run measured less). Printed for the test log."""
+    try:
+        raw = torch._scaled_mm(
+            a, b.t(), scale_a=to_scale_layout(a_s, "deepgemm"), scale_b=b_s.contiguous().t(), out_dtype=torch.float32
+        )
+    except RuntimeError as e:  # a refusal is also a behaviour worth recording
+        return f"raw _scaled_mm {role} K={k} (ceil(K/128)={-(-k // 128)}): refused: {str(e).splitlines()[0]}"
+    return f"raw _scaled_mm {role} K={k} (ceil(K/128)={-(-k // 128)}): {sqnr_db(emu, raw):.1f} dB vs emulated"
+
+
 @sm90
-@pytest.mark.parametrize("k", [384, 640])
-def test_gpu_raw_scaled_mm_needs_k_blocks_multiple_of_4(k):
-    """Why `torch-blockwise` pads K for fprop/dgrad: cuBLASLt's 128x128-scaled ``torch._scaled_mm``
-    without the padding, at a K with ceil(K/128) not a multiple of 4, returns wrong products (no error).
-    If this starts failing, torch/cuBLASLt handle such K now and the padding can go."""
-    x, w, _ = _gpu_operands(132, 512, k)
-    a, a_s = quant.quantize_1x128(x)
-    b, b_s = quant.quantize_128x128(w)
-    raw = torch._scaled_mm(
-        a, b.t(), scale_a=to_scale_layout(a_s, "deepgemm"), scale_b=b_s.contiguous().t(), out_dtype=torch.float32
-    )
-    emu = get_backend("emulated").gemm(a, a_s, b, b_s, role="fprop", out_dtype=torch.float32)
-    assert sqnr_db(emu, raw) < 20, f"K={k}: the raw call is right now ({sqnr_db(emu, raw):.1f} dB): drop the K padding"
-    padded = get_backend("torch-blockwise").gemm(a, to_scale_layout(a_s, "deepgemm"), b, b_s, role="fprop",
+@pytest.mark.parametrize("k", [128, 256, 384, 512, 640, 768, 896, 1152, 4096 + 384])
+@pytest.mark.parametrize("role", ["fprop", "dgrad"])
+def test_gpu_torch_blockwise_padded_k_is_right_at_every_k(k, role):
+    """What jetrl guarantees: `torch-blockwise` (which zero-pads K so ceil(K/128) is a multiple of 4, because
+    cuBLASLt's raw call returns wrong products without error at other K) matches the emulated reference at
+    every K, whether or not ceil(K/128) is a multiple of 4. The raw call's SQNR is printed as a diagnostic."""
+    x, w, dy = _gpu_operands(132, 512, k) if role == "fprop" else _gpu_operands(132, k, 512)
+    if role == "fprop":  # [132, K] @ [512, K]^T
+        a, a_s = quant.quantize_1x128(x)
+        b, b_s = quant.quantize_128x128(w)
+    else:  # dX = dY @ W: [132, K] @ ([K, 512]^T bytes)^T, the reduction over W's N = K here
+        a, a_s = quant.quantize_1x128(dy)
+        wq, ws = quant.quantize_128x128(w)
+        b, b_s = wq.t().contiguous(), ws.t().contiguous()
+    emu = get_backend("emulated").gemm(a, a_s, b, b_s, role=role, out_dtype=torch.float32)
+    padded = get_backend("torch-blockwise").gemm(a, to_scale_layout(a_s, "deepgemm"), b, b_s, role=role,
                                                  out_dtype=torch.float32)  # fmt: skip
-    assert sqnr_db(emu, padded) >= 40
+    print(_raw_scaled_mm_diagnostic(a, a_s, b, b_s, emu, k, role))
+    s = sqnr_db(emu, padded)
+    assert torch.isfinite(padded).all() and s >= 40, f"torch-blockwise {role} K={k}: {s:.1f} dB vs emulated"
 
 
 @sm90
