@@ -49,6 +49,9 @@ CONFIG_DIR = Path(__file__).parent / "config"
 CONFIG_NAME = "jetrl_ppo_trainer"
 JETRL_KEYS = ("recipe", "dry_run", "lint", "proceed_on_lint_violation")
 PLUGIN_MODULE = "jetrl.verl.plugin"
+VERL_FP8_ROLLOUT_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+"""The vLLM quantization_config verl 0.9.1 starts its FP8 rollout with (``vLLMHttpServer._apply_quantization``,
+``rollout.quantization=fp8``); verl then re-quantizes the BF16 weights it receives at every sync."""
 
 
 class ConfigError(ValueError):
@@ -205,11 +208,16 @@ def lint_gate(cfg: DictConfig) -> int:
 
     recipe = _recipe(cfg)
     path = str(cfg.actor_rollout_ref.model.path)
-    # jetrl-unified: a live engine with jetrl's method, as the rollout will run; the baselines are stock
-    # vLLM, described from its settings (no engine is started)
-    rollout = "jetrl-vllm" if recipe.name == "jetrl-unified" else "stock-vllm"
-    report = lint(path, recipe, rollout=rollout)
-    print(report)
+    if recipe.name == "jetrl-unified":  # a live engine with jetrl's method, as the rollout will run
+        report = lint(path, recipe, rollout="jetrl-vllm")
+    else:  # the baselines run stock vLLM: described from its settings, no engine is started
+        from jetrl.lint.stock_vllm import StockVllmSettings
+
+        qc = VERL_FP8_ROLLOUT_CONFIG if cfg.actor_rollout_ref.rollout.quantization == "fp8" else None
+        report = lint(
+            path, recipe, rollout="stock-vllm", stock=StockVllmSettings.from_environment(path, quant_config=qc)
+        )
+    print(report.table())
     if report.ok:
         return 0
     if cfg.jetrl.proceed_on_lint_violation:
