@@ -37,6 +37,9 @@ def _base(ckpt) -> list[str]:
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
         "actor_rollout_ref.rollout.name=vllm",
+        # no flash-attn here (README "verl")
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        "actor_rollout_ref.model.use_remove_padding=false",
     ]
 
 

@@ -15,7 +15,7 @@ import types
 
 import torch
 from verl.plugin.platform.platform_base import PlatformBase
-from verl.plugin.platform.platform_manager import PlatformRegistry
+from verl.plugin.platform.platform_manager import PlatformRegistry, set_platform
 
 NAME = "jetrl_cpu_test"
 
@@ -128,3 +128,4 @@ def install() -> None:
     if PlatformRegistry.get(NAME) is None:
         PlatformRegistry.register(NAME)(CPUTestPlatform)
     os.environ["VERL_PLATFORM"] = NAME
+    set_platform(CPUTestPlatform())
