@@ -51,6 +51,7 @@ __all__ = [
     "need_critic",
     "need_reference_policy",
     "register_rollout_name",
+    "registered_engine",
     "rollout_class_of",
     "run_ppo",
     "validate_config",
@@ -84,3 +85,9 @@ def register_rollout_name(name: str, replica_loader) -> None:
         raise ValueError(f"verl rollout name {name!r} is already bound to {current}; jetrl will not rebind it")
     _rollout_base._ROLLOUT_REGISTRY[key] = vllm_adapter
     RolloutReplicaRegistry.register(name, replica_loader)
+
+
+def registered_engine(model_type: str, backend: str, device: str, vendor: str | None):
+    """The engine class verl has filed under exactly ``(device, vendor)`` (no fallback), or None."""
+    key = (device, vendor) if vendor else device
+    return EngineRegistry._engines.get(model_type, {}).get(backend, {}).get(key)

@@ -43,7 +43,7 @@ from jetrl.gemm.quantize import quantize_128x128
 from jetrl.linear import invalidate_fp8_caches
 from jetrl.recipe import RECIPE_NAMES, Recipe
 from jetrl.rollout.sync import WeightSyncError, tensor_digest
-from jetrl.verl.adapter import EngineRegistry, FSDPEngineWithLMHead
+from jetrl.verl.adapter import EngineRegistry, FSDPEngineWithLMHead, registered_engine
 
 __all__ = [
     "VENDOR",
@@ -178,8 +178,7 @@ def fp8_export_stream(
 
 def register_engine() -> None:
     """File `JetrlFSDPEngine` in verl's EngineRegistry under vendor ``jetrl`` (idempotent)."""
-    registry = EngineRegistry._engines.get("language_model", {})
-    if all(registry.get(b, {}).get(("cuda", VENDOR)) is JetrlFSDPEngine for b in ("fsdp", "fsdp2")):
+    if all(registered_engine("language_model", b, "cuda", VENDOR) is JetrlFSDPEngine for b in ("fsdp", "fsdp2")):
         return
     EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device="cuda", vendor=VENDOR)(
         JetrlFSDPEngine
