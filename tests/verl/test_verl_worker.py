@@ -34,11 +34,16 @@ SEND_GUARD_S = 1800
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    os.environ["VERL_RAY_JOB_ID"] = f"jetrl-test-{os.getpid()}"  # the worker's ZMQ endpoint name
+    old = os.environ.get("VERL_RAY_JOB_ID")
+    os.environ["VERL_RAY_JOB_ID"] = f"jetrl-test-{os.getpid()}"  # names the worker's ZMQ endpoint
     ckpt = save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "seed0", seed=0)
     eng = create_engine(ckpt, RECIPE, seed=0, worker_extension_cls=WORKER_EXTENSION, **ENGINE_KW)
     yield eng
     eng.close()
+    if old is None:
+        os.environ.pop("VERL_RAY_JOB_ID")
+    else:
+        os.environ["VERL_RAY_JOB_ID"] = old
 
 
 def _trainer(seed: int):
