@@ -26,8 +26,11 @@ What changes against `FSDPEngineWithLMHead`, and nothing else:
   BF16 recipes stream exactly what verl streams.
 
 The recipe comes from ``JETRL_RECIPE`` (set with the vendor by the entrypoint), the GEMM backend from
-``JETRL_GEMM_BACKEND`` (default ``auto``). LoRA and jetrl's ``fp8_param`` storage are refused here:
-neither is wired through verl's sharded optimizer path yet.
+``JETRL_GEMM_BACKEND`` (default ``auto``). LoRA is refused (its adapter stream is not FP8-exported).
+jetrl's ``fp8_param`` storage (`jetrl.fp8_param`) is not used on this path: its fp32 masters live outside
+the module, where FSDP would not shard them; the weights stay verl's fp32 masters and the bytes are
+quantized from their ``param_dtype`` cast, as the forward does. Tested with FSDP2 (CPU, gloo); FSDP1
+shares the code but has not been run.
 """
 
 from __future__ import annotations
