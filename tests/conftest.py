@@ -12,7 +12,8 @@ import os
 
 import pytest
 
-REQUIRED_ON_CI = ("vllm", "transformers", "triton", "ml_dtypes")
+REQUIRED_ON_CI = ("vllm", "transformers", "triton", "ml_dtypes", "verl")
+"""On CI a skip for any of these fails the session (``verl``: tests/verl, installed by `make venv`)."""
 
 
 def pytest_sessionstart(session):

@@ -45,6 +45,9 @@ __all__ = [
     "ParamInfo",
     "create_engine",
     "layer_mode",
+    "model_packed_modules",
+    "model_param_info",
+    "refresh_after_weight_update",
     "stock_vllm_settings",
     "stock_block_fp8_unavailable_reason",
     "vllm_cpu_attention_isa",
@@ -104,6 +107,49 @@ def layer_mode(mod) -> str | None:
     if method == "Fp8PerTensorOnlineLinearMethod" or (method == "Fp8LinearMethod" and hasattr(mod, "weight_scale")):
         return "stock-online-fp8"
     return None
+
+
+def model_param_info(model) -> dict[str, ParamInfo]:
+    """Every parameter of a live vLLM model (run inside the engine): shape, dtype, vocab flag, jetrl mode."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    out = {}
+    for mname, mod in model.named_modules():
+        for pname, p in mod.named_parameters(recurse=False):
+            name = f"{mname}.{pname}" if mname else pname
+            out[name] = ParamInfo(
+                tuple(p.shape),
+                str(p.dtype).removeprefix("torch."),
+                isinstance(mod, VocabParallelEmbedding),
+                layer_mode(mod),
+            )
+    return out
+
+
+def model_packed_modules(model) -> dict[str, list[str]]:
+    """A live vLLM model's fused module -> HF parts in stacking order (run inside the engine)."""
+    return {k: list(v) for k, v in getattr(model, "packed_modules_mapping", {}).items()}
+
+
+def refresh_after_weight_update(model) -> int:
+    """Run inside the engine after weights were copied in place: rebuild the kernel state vLLM derives from
+    weights at load (on CPU, the prepacked copies of lm_head / embeddings its oneDNN/SGL GEMMs use).
+    Returns how many layers were re-packed (0 off CPU)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    n = 0
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if hasattr(mod, "cpu_linear") and getattr(mod, "jetrl_mode", None) is None:
+            if not isinstance(w, torch.Tensor) or w.numel() == 0:
+                raise RuntimeError(f"{type(mod).__name__}: vLLM removed its weight when repacking it")
+            dispatch_cpu_unquantized_gemm(mod, remove_weight=False)
+            n += 1
+    return n
 
 
 def _as_recipe(recipe: Recipe | str) -> Recipe:
@@ -336,51 +382,18 @@ class Engine:
 
     def param_info(self) -> dict[str, ParamInfo]:
         """Every engine parameter's shape, dtype, vocab flag and jetrl mode (from worker 0)."""
-
-        def _info(model):
-            from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
-            out = {}
-            for mname, mod in model.named_modules():
-                for pname, p in mod.named_parameters(recurse=False):
-                    name = f"{mname}.{pname}" if mname else pname
-                    out[name] = ParamInfo(
-                        tuple(p.shape),
-                        str(p.dtype).removeprefix("torch."),
-                        isinstance(mod, VocabParallelEmbedding),
-                        layer_mode(mod),
-                    )
-            return out
-
-        return self.apply(_info)[0]
+        return self.apply(model_param_info)[0]
 
     def packed_modules_mapping(self) -> dict[str, list[str]]:
         """Fused vLLM module -> its HF parts in stacking order, e.g. ``qkv_proj -> [q_proj, k_proj, v_proj]``."""
-        return self.apply(lambda m: {k: list(v) for k, v in getattr(m, "packed_modules_mapping", {}).items()})[0]
+        return self.apply(model_packed_modules)[0]
 
     def finalize_weight_update(self) -> int:
         """Call after copying weights in place: rebuild kernel state vLLM derives from weights at load
         (on CPU, the prepacked copies of lm_head / embeddings used by its oneDNN/SGL GEMMs) and drop the
         prefix cache (KV computed with the old weights). Returns how many layers were re-packed."""
 
-        def _refresh(model) -> int:
-            from vllm.platforms import current_platform
-
-            if not current_platform.is_cpu():
-                return 0
-            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-            n = 0
-            for mod in model.modules():
-                w = getattr(mod, "weight", None)
-                if hasattr(mod, "cpu_linear") and getattr(mod, "jetrl_mode", None) is None:
-                    if not isinstance(w, torch.Tensor) or w.numel() == 0:
-                        raise RuntimeError(f"{type(mod).__name__}: vLLM removed its weight when repacking it")
-                    dispatch_cpu_unquantized_gemm(mod, remove_weight=False)
-                    n += 1
-            return n
-
-        n = sum(self.apply(_refresh))
+        n = sum(self.apply(refresh_after_weight_update))
         self.reset_prefix_cache()
         return n
 

@@ -50,6 +50,7 @@ __all__ = [
     "plan_sync",
     "sync_weights",
     "verify_weights",
+    "install_payload",
 ]
 
 _MASK = (1 << 64) - 1
@@ -404,5 +405,37 @@ def sync_weights(trainer_model, engine, recipe: Recipe | str) -> SyncReport:
         export_seconds=prep.export_seconds,
         copy_seconds=t2 - t1,
         verify_seconds=t3 - t2,
+        n_digests=len(expected),
+    )
+
+
+def install_payload(
+    model, payload: dict, recipe: Recipe | str, param_info: dict, packed: dict, finalize=None
+) -> SyncReport:
+    """The engine half of a sync, for code already running inside the engine's worker (e.g. verl's vLLM
+    worker extension, `jetrl.verl.worker`), where `payload` (as `trainer_payload` returns it) has arrived
+    from the trainer: place it (`plan_sync`), copy it into `model` in place, call ``finalize(model)`` if
+    given (e.g. `jetrl.rollout.adapter.refresh_after_weight_update`), then prove the engine's memory holds
+    exactly the payload's bytes by digest. Raises `WeightSyncError` naming the parameter otherwise."""
+    recipe = recipe if isinstance(recipe, Recipe) else Recipe.from_name(recipe)
+    t0 = time.perf_counter()
+    placements = plan_sync(payload, param_info, packed)
+    _engine_side(model, placements, recipe, payload, False)
+    if finalize is not None:
+        finalize(model)
+    t1 = time.perf_counter()
+    expected = _expected_digests(payload, placements, recipe)
+    _compare(expected, [_engine_side(model, placements, recipe, None, True)])
+    t2 = time.perf_counter()
+    nbytes = sum((v[0].nbytes + v[1].nbytes) if isinstance(v, tuple) else v.nbytes for v in payload.values())
+    mode = next((p.kind for p in placements if p.kind in ("fp8", "naive")), "bf16")
+    return SyncReport(
+        bytes=nbytes,
+        seconds=t2 - t0,
+        n_params=len(placements),
+        digests_equal=True,
+        mode={"fp8": "block", "naive": "naive", "bf16": "bf16"}[mode],
+        copy_seconds=t1 - t0,
+        verify_seconds=t2 - t1,
         n_digests=len(expected),
     )

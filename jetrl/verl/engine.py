@@ -1,0 +1,188 @@
+"""`JetrlFSDPEngine`: verl's FSDP language-model engine training through jetrl's FP8 Linears.
+
+verl builds the actor (and the reference policy) with ``EngineRegistry.new("language_model", strategy,
+...)``. `register_engine` files this class under vendor ``jetrl`` for ``fsdp`` and ``fsdp2`` on
+``cuda``, so it is chosen only where the workers run with ``VERL_ENGINE_VENDOR=jetrl`` (the
+entrypoint `jetrl.verl.__main__` puts that in the Ray runtime env); every other verl run keeps verl's
+engine. Registering under vendor ``nvidia`` instead would replace FSDP for every verl job.
+
+What changes against `FSDPEngineWithLMHead`, and nothing else:
+
+- ``_build_module``: verl loads the HF model (fp32 masters for training, bf16 for a forward-only ref),
+  then `jetrl.convert.convert_model` swaps the recipe's Linears for `JetFP8Linear` in place *before*
+  FSDP wraps the model. The Parameters are the same objects under the same HF names, so FSDP1/FSDP2
+  sharding, mixed precision (the unsharded weight a Linear sees is the ``param_dtype`` cast of the fp32
+  shard), the optimizer, checkpoints and ``get_per_tensor_param`` see an unchanged model.
+- ``optimizer_step``: after verl's step, `jetrl.linear.invalidate_fp8_caches` drops every Linear's
+  cached FP8 weight. FSDP writes the new weights into reused all-gather buffers (and FSDP1 through
+  flat-parameter views), which does not reliably bump the version counter the cache keys on.
+- ``get_per_tensor_param`` (the stream verl sends to the rollout at every sync): for a recipe with
+  ``weight_sync == "fp8-bytes"``, each converted Linear's weight leaves as its e4m3 bytes under the HF
+  name plus ``<module>.weight_scale_inv`` (fp32 128x128 scales), quantized by the forward's own
+  quantizer (`jetrl.gemm.quantize.quantize_128x128`) from the forward's own input: the full weight cast
+  to the FSDP ``param_dtype``. Every other tensor leaves in BF16. After each tensor comes
+  ``<name>:jetrl_digest`` (its `jetrl.rollout.sync.tensor_digest`, as uint8 text), which the rollout
+  worker (`jetrl.verl.worker`) compares against what arrived and then against what it installed.
+  BF16 recipes stream exactly what verl streams.
+
+The recipe comes from ``JETRL_RECIPE`` (set with the vendor by the entrypoint), the GEMM backend from
+``JETRL_GEMM_BACKEND`` (default ``auto``). LoRA is refused (its adapter stream is not FP8-exported).
+jetrl's ``fp8_param`` storage (`jetrl.fp8_param`) is not used on this path: its fp32 masters live outside
+the module, where FSDP would not shard them; the weights stay verl's fp32 masters and the bytes are
+quantized from their ``param_dtype`` cast, as the forward does. Tested with FSDP2 (CPU, gloo); FSDP1
+shares the code but has not been run.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+
+import torch
+
+from jetrl.convert import ConversionReport, convert_model
+from jetrl.gemm.quantize import quantize_128x128
+from jetrl.linear import invalidate_fp8_caches
+from jetrl.recipe import RECIPE_NAMES, Recipe
+from jetrl.rollout.sync import WeightSyncError, tensor_digest
+from jetrl.verl.adapter import EngineRegistry, FSDPEngineWithLMHead, registered_engine
+
+__all__ = [
+    "VENDOR",
+    "RECIPE_ENV",
+    "BACKEND_ENV",
+    "DIGEST_SUFFIX",
+    "SCALE_SUFFIX",
+    "JetrlFSDPEngine",
+    "recipe_from_env",
+    "register_engine",
+    "encode_digest",
+    "fp8_export_stream",
+    "decode_digest",
+]
+
+VENDOR = "jetrl"
+"""verl engine vendor key of `JetrlFSDPEngine` (``VERL_ENGINE_VENDOR=jetrl`` selects it)."""
+RECIPE_ENV = "JETRL_RECIPE"
+BACKEND_ENV = "JETRL_GEMM_BACKEND"
+DIGEST_SUFFIX = ":jetrl_digest"
+"""Suffix of the stream entries carrying the trainer-side digest of the entry before them."""
+SCALE_SUFFIX = "weight_scale_inv"
+"""vLLM's (and jetrl's) name of a block-FP8 weight's 128x128 dequant scales."""
+
+
+def recipe_from_env() -> Recipe:
+    """The recipe named by ``JETRL_RECIPE``; an error naming the variable when it is unset or unknown."""
+    name = os.environ.get(RECIPE_ENV)
+    if not name:
+        raise RuntimeError(
+            f"{RECIPE_ENV} is not set: the jetrl verl engine (VERL_ENGINE_VENDOR={VENDOR}) needs the recipe; "
+            f"run through `python -m jetrl.verl jetrl.recipe=...` or set {RECIPE_ENV} to one of {RECIPE_NAMES}"
+        )
+    if name not in RECIPE_NAMES:
+        raise RuntimeError(f"{RECIPE_ENV}={name!r}: choose one of {RECIPE_NAMES}")
+    return Recipe.from_name(name)
+
+
+def encode_digest(digest: str, device: torch.device | str) -> torch.Tensor:
+    """A digest string as a uint8 tensor (it travels in verl's tensor stream)."""
+    return torch.tensor(list(digest.encode("ascii")), dtype=torch.uint8, device=device)
+
+
+def decode_digest(t: torch.Tensor) -> str:
+    return bytes(t.detach().cpu().tolist()).decode("ascii")
+
+
+class JetrlFSDPEngine(FSDPEngineWithLMHead):
+    """`FSDPEngineWithLMHead` whose Linears are jetrl FP8 Linears (see the module docstring)."""
+
+    jetrl_recipe: Recipe
+    jetrl_conversion: ConversionReport
+    jetrl_last_export: dict
+    """Stats of the last fully consumed ``get_per_tensor_param`` stream (bytes, seconds, counts)."""
+
+    def _build_module(self):
+        self.jetrl_recipe = recipe_from_env()
+        self.jetrl_last_export = {}
+        if self._is_lora:
+            raise NotImplementedError(
+                "jetrl verl engine: LoRA is not supported (set actor_rollout_ref.model.lora_rank=0)"
+            )
+        module = super()._build_module()
+        backend = os.environ.get(BACKEND_ENV, "auto")
+        self.jetrl_conversion = convert_model(module, self.jetrl_recipe, backend=backend)
+        return module
+
+    def optimizer_step(self):
+        grad_norm = super().optimizer_step()
+        invalidate_fp8_caches(self.module)
+        return grad_norm
+
+    def _fp8_weight_names(self) -> set[str]:
+        return {f"{n}.weight" for n in self.jetrl_conversion.converted_names()}
+
+    def get_per_tensor_param(self, layered_summon=False, base_sync_done=False, **kwargs):
+        stream, peft_config = super().get_per_tensor_param(
+            layered_summon=layered_summon, base_sync_done=base_sync_done, **kwargs
+        )
+        if peft_config is not None:
+            raise NotImplementedError("jetrl verl engine: LoRA weight streams are not supported")
+        if self.jetrl_recipe.weight_sync != "fp8-bytes":
+            return stream, None
+        return self._fp8_stream(stream), None
+
+    def _fp8_stream(self, stream) -> Iterator[tuple[str, torch.Tensor]]:
+        stats: dict = {}
+        yield from fp8_export_stream(
+            stream, self._fp8_weight_names(), getattr(self, "_autocast_dtype", torch.bfloat16), stats
+        )
+        self.jetrl_last_export = stats
+
+
+def fp8_export_stream(
+    stream, fp8_names: set[str], param_dtype: torch.dtype, stats: dict | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """verl's ``(HF name, full tensor)`` stream -> jetrl's: each weight in `fp8_names` as e4m3 bytes plus
+    ``weight_scale_inv`` (quantized from its `param_dtype` cast, as the forward does), every other tensor
+    in BF16, each followed by its ``:jetrl_digest`` entry. Fills `stats` (bytes, counts, seconds) once the
+    stream is exhausted; raises `WeightSyncError` if a weight of `fp8_names` never came."""
+    seen: set[str] = set()
+    acc = {"bytes": 0, "n_tensors": 0, "n_fp8": 0, "n_digests": 0}
+    t0 = time.perf_counter()
+
+    def emit(name: str, t: torch.Tensor):
+        acc["bytes"] += t.nbytes
+        acc["n_tensors"] += 1
+        acc["n_digests"] += 1
+        yield name, t
+        yield name + DIGEST_SUFFIX, encode_digest(tensor_digest(t), t.device)
+
+    for name, t in stream:
+        if name in fp8_names:
+            seen.add(name)
+            # the forward's input: FSDP casts the fp32 shard to param_dtype before the all-gather
+            q, s = quantize_128x128(t.detach().to(param_dtype), name=name)
+            acc["n_fp8"] += 1
+            yield from emit(name, q)
+            yield from emit(name[: -len("weight")] + SCALE_SUFFIX, s)
+        else:
+            yield from emit(name, t.detach().to(torch.bfloat16) if t.is_floating_point() else t.detach())
+    missing = sorted(fp8_names - seen)
+    if missing:
+        raise WeightSyncError(
+            f"jetrl verl engine: converted Linear weights missing from verl's parameter stream: {missing[:5]}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        )
+    acc["seconds"] = time.perf_counter() - t0
+    if stats is not None:
+        stats.update(acc)
+
+
+def register_engine() -> None:
+    """File `JetrlFSDPEngine` in verl's EngineRegistry under vendor ``jetrl`` (idempotent)."""
+    if all(registered_engine("language_model", b, "cuda", VENDOR) is JetrlFSDPEngine for b in ("fsdp", "fsdp2")):
+        return
+    EngineRegistry.register(model_type="language_model", backend=["fsdp", "fsdp2"], device="cuda", vendor=VENDOR)(
+        JetrlFSDPEngine
+    )

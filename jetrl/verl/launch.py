@@ -1,0 +1,252 @@
+"""What ``python -m jetrl.verl`` does with a composed config: validate, apply the recipe, lint, run.
+
+The config is verl 0.9.1's ``ppo_trainer`` (hydra, struct mode: an override of a key verl does not
+have fails naming the key) plus the ``jetrl:`` section of ``config/jetrl_ppo_trainer.yaml``. The one
+key a user sets is ``jetrl.recipe``; `apply_recipe` turns it into verl settings:
+
+- ``jetrl-unified``: the actor / ref engines become `jetrl.verl.engine.JetrlFSDPEngine` (the workers'
+  Ray runtime env gets ``VERL_ENGINE_VENDOR=jetrl`` and ``JETRL_RECIPE``), the rollout becomes
+  ``rollout.name=jetrl_vllm`` (jetrl's vLLM method and worker extension, `jetrl.verl.worker`), and
+  `jetrl.verl.plugin` is imported by verl in every process (``model.external_lib`` and
+  ``VERL_USE_EXTERNAL_MODULES``). ``rollout.quantization`` must stay null (verl's re-quantization).
+- ``naive-fp8-rollout``: stock verl with its own FP8 rollout, ``rollout.quantization=fp8`` (BF16 sent,
+  re-quantized by verl in vLLM at every sync): the off-policy baseline.
+- ``bf16``: stock verl, BF16 everywhere.
+
+`validate` runs verl's own ``validate_config`` (batch sizes divide, micro-batch settings), checks the
+``jetrl:`` section, and, for FP8 training, that every projection of the model at
+``actor_rollout_ref.model.path`` (its config.json) suits the 128x128 recipe. A dry run stops there and
+prints the config. Otherwise `lint_gate` runs ``jetrl lint`` for the recipe and refuses to start on a
+violation unless ``jetrl.proceed_on_lint_violation=true``; then verl's ``run_ppo`` starts Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from jetrl.recipe import BLOCK, RECIPE_NAMES, Recipe
+
+__all__ = [
+    "CONFIG_DIR",
+    "CONFIG_NAME",
+    "JETRL_KEYS",
+    "PLUGIN_MODULE",
+    "ConfigError",
+    "apply_recipe",
+    "check_model_shapes",
+    "compose",
+    "lint_gate",
+    "main",
+    "validate",
+]
+
+CONFIG_DIR = Path(__file__).parent / "config"
+CONFIG_NAME = "jetrl_ppo_trainer"
+JETRL_KEYS = ("recipe", "dry_run", "lint", "proceed_on_lint_violation")
+PLUGIN_MODULE = "jetrl.verl.plugin"
+VERL_FP8_ROLLOUT_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+"""The vLLM quantization_config verl 0.9.1 starts its FP8 rollout with (``vLLMHttpServer._apply_quantization``,
+``rollout.quantization=fp8``); verl then re-quantizes the BF16 weights it receives at every sync."""
+
+
+class ConfigError(ValueError):
+    """The configuration cannot run with jetrl (the message names the key)."""
+
+
+def compose(overrides: list[str] | None = None) -> DictConfig:
+    """The config ``python -m jetrl.verl OVERRIDES...`` runs with (hydra's compose API, same files)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        return hydra_compose(config_name=CONFIG_NAME, overrides=list(overrides or []))
+
+
+def _recipe(cfg: DictConfig) -> Recipe:
+    j = cfg.get("jetrl")
+    if j is None:
+        raise ConfigError(
+            "the config has no `jetrl:` section (compose it from jetrl/verl/config/jetrl_ppo_trainer.yaml)"
+        )
+    unknown = sorted(set(j.keys()) - set(JETRL_KEYS))
+    if unknown:
+        raise ConfigError(f"unknown key(s) jetrl.{', jetrl.'.join(unknown)}; the jetrl section has {list(JETRL_KEYS)}")
+    if j.recipe not in RECIPE_NAMES:
+        raise ConfigError(f"jetrl.recipe={j.recipe!r}: choose one of {list(RECIPE_NAMES)}")
+    return Recipe.from_name(j.recipe)
+
+
+def _env_vars(cfg: DictConfig) -> DictConfig:
+    with open_dict(cfg):
+        ray_init = cfg.ray_kwargs.setdefault("ray_init", {})
+        runtime_env = ray_init.get("runtime_env")
+        if runtime_env is None:
+            ray_init.runtime_env = {}
+        with open_dict(ray_init.runtime_env):
+            ray_init.runtime_env.setdefault("env_vars", {})
+    return cfg.ray_kwargs.ray_init.runtime_env.env_vars
+
+
+def apply_recipe(cfg: DictConfig) -> dict[str, str]:
+    """Set the verl keys the recipe needs (see the module docstring); returns {key: value} of what it set.
+    Refuses (`ConfigError` naming the key) settings that contradict the recipe."""
+    recipe = _recipe(cfg)
+    arr = cfg.actor_rollout_ref
+    rollout = arr.rollout
+    changed: dict[str, str] = {}
+    if recipe.name == "naive-fp8-rollout":
+        if rollout.quantization not in (None, "fp8"):
+            raise ConfigError(
+                f"actor_rollout_ref.rollout.quantization={rollout.quantization!r}: jetrl.recipe=naive-fp8-rollout "
+                "is verl's own FP8 rollout (quantization=fp8)"
+            )
+        rollout.quantization = "fp8"
+        changed["actor_rollout_ref.rollout.quantization"] = "fp8"
+    elif rollout.quantization is not None:
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.quantization={rollout.quantization!r} contradicts jetrl.recipe={recipe.name}: "
+            "verl's FP8 rollout re-quantizes weights at every sync (that baseline is jetrl.recipe=naive-fp8-rollout)"
+        )
+    if recipe.name != "jetrl-unified":
+        return changed
+    from jetrl.verl.worker import ROLLOUT_NAME
+
+    for role in ("actor", "ref"):
+        strategy = arr[role].get("strategy")
+        if strategy not in ("fsdp", "fsdp2"):
+            raise ConfigError(
+                f"actor_rollout_ref.{role}.strategy={strategy!r}: jetrl's FP8 engine extends verl's FSDP engine "
+                "(fsdp or fsdp2)"
+            )
+    name = None if OmegaConf.is_missing(rollout, "name") else rollout.name
+    if name not in (None, "vllm", ROLLOUT_NAME):
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.name={name!r}: jetrl-unified rolls out with vLLM (name=vllm, run as "
+            f"{ROLLOUT_NAME})"
+        )
+    rollout.name = ROLLOUT_NAME
+    changed["actor_rollout_ref.rollout.name"] = ROLLOUT_NAME
+    libs = arr.model.external_lib
+    libs = [] if libs is None else [libs] if isinstance(libs, str) else list(libs)
+    if PLUGIN_MODULE not in libs:
+        libs.append(PLUGIN_MODULE)
+    arr.model.external_lib = libs[0] if len(libs) == 1 else libs
+    changed["actor_rollout_ref.model.external_lib"] = str(arr.model.external_lib)
+    env = _env_vars(cfg)
+    modules = [m for m in str(env.get("VERL_USE_EXTERNAL_MODULES", "")).split(",") if m]
+    wanted = {
+        "VERL_ENGINE_VENDOR": "jetrl",
+        "JETRL_RECIPE": recipe.name,
+        "VERL_USE_EXTERNAL_MODULES": ",".join(modules + [PLUGIN_MODULE] if PLUGIN_MODULE not in modules else modules),
+    }
+    if os.environ.get("JETRL_GEMM_BACKEND"):
+        wanted["JETRL_GEMM_BACKEND"] = os.environ["JETRL_GEMM_BACKEND"]
+    for k, v in wanted.items():
+        if k in ("VERL_ENGINE_VENDOR", "JETRL_RECIPE") and env.get(k) not in (None, v):
+            raise ConfigError(f"ray_kwargs.ray_init.runtime_env.env_vars.{k}={env.get(k)!r}: jetrl-unified needs {v!r}")
+        with open_dict(env):
+            env[k] = v
+        changed[f"ray_kwargs.ray_init.runtime_env.env_vars.{k}"] = v
+    return changed
+
+
+def check_model_shapes(cfg: DictConfig) -> dict[str, int]:
+    """For FP8-training recipes: every projection's N and K of the model at ``actor_rollout_ref.model.path``
+    must be a multiple of 128. Returns the dims checked; `ConfigError` names the first misfit."""
+    recipe = _recipe(cfg)
+    path = Path(str(cfg.actor_rollout_ref.model.path))
+    if not recipe.train_fp8:
+        return {}
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(
+            f"actor_rollout_ref.model.path={str(path)!r}: no config.json there; jetrl.recipe={recipe.name} checks the "
+            "model's Linear shapes against the 128x128 recipe before starting (download the model to a local dir)"
+        )
+    hf = json.loads(cfg_file.read_text())
+    hf = hf.get("text_config", hf)
+    try:
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        dims = {
+            "hidden_size": hf["hidden_size"],
+            "intermediate_size": hf["intermediate_size"],
+            "num_attention_heads*head_dim (q_proj N)": hf["num_attention_heads"] * head_dim,
+            "num_key_value_heads*head_dim (k_proj/v_proj N)": hf.get("num_key_value_heads", hf["num_attention_heads"])
+            * head_dim,
+        }
+    except KeyError as e:
+        raise ConfigError(f"{cfg_file}: missing {e.args[0]!r}, needed to check the Linear shapes") from e
+    bad = {k: v for k, v in dims.items() if v % BLOCK}
+    if bad and not recipe.allow_bf16_fallback_shapes:
+        raise ConfigError(
+            f"{cfg_file}: {bad} not multiples of {BLOCK}; jetrl.recipe={recipe.name} quantizes weights in "
+            f"{BLOCK}x{BLOCK} blocks (use jetrl.recipe=bf16 for this model)"
+        )
+    return dims
+
+
+def validate(cfg: DictConfig) -> dict[str, str]:
+    """`apply_recipe`, verl's ``validate_config``, `check_model_shapes`; returns what `apply_recipe` set."""
+    from jetrl.verl.adapter import need_critic, need_reference_policy, validate_config
+
+    changed = apply_recipe(cfg)
+    validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
+    check_model_shapes(cfg)
+    return changed
+
+
+def lint_gate(cfg: DictConfig) -> int:
+    """Run ``jetrl lint`` for the recipe on the model; 0 to proceed, 1 to refuse (the report is printed)."""
+    from jetrl.lint import lint
+
+    recipe = _recipe(cfg)
+    path = str(cfg.actor_rollout_ref.model.path)
+    if recipe.name == "jetrl-unified":  # a live engine with jetrl's method, as the rollout will run
+        report = lint(path, recipe, rollout="jetrl-vllm")
+    else:  # the baselines run stock vLLM: described from its settings, no engine is started
+        from jetrl.lint.stock_vllm import StockVllmSettings
+
+        qc = VERL_FP8_ROLLOUT_CONFIG if cfg.actor_rollout_ref.rollout.quantization == "fp8" else None
+        report = lint(
+            path, recipe, rollout="stock-vllm", stock=StockVllmSettings.from_environment(path, quant_config=qc)
+        )
+    print(report.table())
+    if report.ok:
+        return 0
+    if cfg.jetrl.proceed_on_lint_violation:
+        print("jetrl lint found violations; starting anyway (jetrl.proceed_on_lint_violation=true)", file=sys.stderr)
+        return 0
+    print(
+        "jetrl lint found violations: refusing to train (set jetrl.proceed_on_lint_violation=true to start anyway)",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def main(cfg: DictConfig) -> int:
+    """The entrypoint's body (exit code): validate, dry-run print, lint, then verl's ``run_ppo``."""
+    try:
+        changed = validate(cfg)
+    except (ConfigError, AssertionError, ValueError) as e:
+        print(f"jetrl.verl: invalid configuration: {e}", file=sys.stderr)
+        return 2
+    if cfg.jetrl.dry_run:
+        print(OmegaConf.to_yaml(cfg, resolve=False))
+        print(f"jetrl.verl dry run: recipe {cfg.jetrl.recipe}; set by the recipe: {json.dumps(changed, indent=1)}")
+        print("jetrl.verl dry run: configuration valid (verl validate_config, jetrl section, model shapes)")
+        return 0
+    if cfg.jetrl.lint:
+        code = lint_gate(cfg)
+        if code:
+            return code
+    from jetrl.verl.adapter import TaskRunnerV1, run_ppo
+
+    run_ppo(cfg, task_runner_class=TaskRunnerV1)
+    return 0

@@ -1,0 +1,157 @@
+"""`JetrlFSDPEngine` built by verl's own code (FSDP2, gloo, world size 1): the FP8 Linears under FSDP, the
+per-tensor export stream against `jetrl.convert.export_fp8_weights` and against the forward's own bytes,
+and the cache invalidation of ``optimizer_step``."""
+
+import os
+import socket
+
+import pytest
+import torch
+
+verl = pytest.importorskip(
+    "verl", reason="verl 0.9.1 is installed by `make venv` (third_party/verl-cpu-requirements.txt)"
+)
+
+import torch.distributed as dist  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+from verl.trainer.config import CheckpointConfig  # noqa: E402
+from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig  # noqa: E402
+
+from jetrl.convert import convert_model, export_fp8_weights  # noqa: E402
+from jetrl.linear import JetFP8Linear  # noqa: E402
+from jetrl.recipe import Recipe  # noqa: E402
+from jetrl.rollout.sync import tensor_digest  # noqa: E402
+from jetrl.tiny import save_tiny_checkpoint  # noqa: E402
+from jetrl.verl.engine import DIGEST_SUFFIX, SCALE_SUFFIX, JetrlFSDPEngine, decode_digest  # noqa: E402
+
+RECIPE = "jetrl-unified"
+BACKEND = "emulated" if not torch.cuda.is_available() else "auto"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "seed3", seed=3)
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt):
+    """verl's FSDP2 engine initialisation on a world-size-1 gloo group, with jetrl's recipe from the env."""
+    env = {"JETRL_RECIPE": RECIPE, "JETRL_GEMM_BACKEND": BACKEND, "MASTER_ADDR": "127.0.0.1"}
+    env["MASTER_PORT"] = str(_free_port())
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, rank=0, world_size=1)
+    try:
+        eng = JetrlFSDPEngine(
+            HFModelConfig(
+                path=str(ckpt),
+                use_remove_padding=False,
+                enable_gradient_checkpointing=False,
+                override_config={"attn_implementation": "sdpa"},
+            ),
+            FSDPEngineConfig(strategy="fsdp2", forward_only=False, use_torch_compile=False),
+            FSDPOptimizerConfig(lr=1e-2, clip_grad=1.0),
+            CheckpointConfig(),
+        )
+        eng.initialize()
+        yield eng
+    finally:
+        dist.destroy_process_group()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _stream(eng) -> dict:
+    gen, peft = eng.get_per_tensor_param()
+    assert peft is None
+    out = {}
+    for name, t in gen:
+        assert name not in out, f"{name} streamed twice"
+        out[name] = t.detach().cpu().clone()
+    return out
+
+
+def _reference_export(ckpt):
+    """The same checkpoint outside verl: fp32 masters (as verl loads them for training) cast to the forward's
+    bf16, converted by jetrl.convert, exported by jetrl.convert.export_fp8_weights."""
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).to(torch.bfloat16)
+    convert_model(model, Recipe.from_name(RECIPE), backend=BACKEND)
+    return model, export_fp8_weights(model)
+
+
+def test_linears_are_jetrl_fp8_under_fsdp2_with_hf_names(engine):
+    from torch.distributed.fsdp import FSDPModule
+
+    assert isinstance(engine.module, FSDPModule)
+    fp8 = {n for n, m in engine.module.named_modules() if isinstance(m, JetFP8Linear)}
+    assert fp8 == set(engine.jetrl_conversion.converted_names())
+    assert len(fp8) == 14 and "model.layers.0.self_attn.q_proj" in fp8
+    assert not any(isinstance(m, JetFP8Linear) for n, m in engine.module.named_modules() if n.endswith("lm_head"))
+
+
+def test_stream_equals_export_fp8_weights_and_bf16_for_the_rest(engine, ckpt):
+    stream = _stream(engine)
+    ref_model, ref = _reference_export(ckpt)
+    tensors = {n: t for n, t in stream.items() if not n.endswith(DIGEST_SUFFIX)}
+    digests = {n[: -len(DIGEST_SUFFIX)]: decode_digest(t) for n, t in stream.items() if n.endswith(DIGEST_SUFFIX)}
+    assert set(digests) == set(tensors)
+    for name, t in tensors.items():
+        assert digests[name] == tensor_digest(t), f"{name}: digest entry does not describe the tensor"
+    expected_names = set()
+    for name, (q, s) in ref.items():
+        sname = name[: -len("weight")] + SCALE_SUFFIX
+        expected_names |= {name, sname}
+        got_q, got_s = tensors[name], tensors[sname]
+        assert got_q.dtype == torch.float8_e4m3fn and got_q.shape == q.shape, (name, got_q.dtype, got_q.shape)
+        assert got_s.dtype == torch.float32 and got_s.shape == s.shape, (sname, got_s.dtype, got_s.shape)
+        assert torch.equal(got_q.view(torch.uint8), q.view(torch.uint8)), f"{name}: fp8 bytes differ"
+        assert torch.equal(got_s.view(torch.int32), s.view(torch.int32)), f"{sname}: scales differ"
+    rest = {n: p for n, p in ref_model.state_dict().items() if n not in ref}
+    expected_names |= set(rest)
+    assert set(tensors) == expected_names, sorted(set(tensors) ^ expected_names)
+    for name, p in rest.items():
+        assert tensors[name].dtype == torch.bfloat16, (name, tensors[name].dtype)
+        assert torch.equal(tensors[name], p), f"{name}: BF16 tensor differs"
+    stats = engine.jetrl_last_export
+    assert stats["n_fp8"] == 14 and stats["n_tensors"] == len(tensors) == stats["n_digests"]
+    assert stats["bytes"] == sum(t.nbytes for t in tensors.values())
+
+
+def test_stream_is_the_forwards_bytes_and_a_step_invalidates_them(engine):
+    ids = torch.randint(3, 70, (2, 16), generator=torch.Generator().manual_seed(0))
+    linears = {n: m for n, m in engine.module.named_modules() if isinstance(m, JetFP8Linear)}
+
+    def forward_bytes():
+        return {f"{n}.weight": m._cache[1].detach().cpu().clone() for n, m in linears.items()}
+
+    engine.module.train()
+    with torch.autocast("cpu" if not torch.cuda.is_available() else "cuda", dtype=torch.bfloat16):
+        loss = engine.module(input_ids=ids, use_cache=False).logits.float().logsumexp(-1).mean()
+    before = forward_bytes()
+    stream = _stream(engine)
+    for name, q in before.items():
+        assert torch.equal(stream[name].view(torch.uint8), q.view(torch.uint8)), f"{name}: stream != forward bytes"
+    loss.backward()
+    grad_norm = engine.optimizer_step()
+    assert grad_norm > 0 and all(m._cache is None for m in linears.values()), "optimizer_step left FP8 caches"
+    engine.optimizer_zero_grad()
+    with torch.no_grad(), torch.autocast("cpu" if not torch.cuda.is_available() else "cuda", dtype=torch.bfloat16):
+        engine.module(input_ids=ids, use_cache=False)
+    after = forward_bytes()
+    changed = [n for n in after if not torch.equal(after[n].view(torch.uint8), before[n].view(torch.uint8))]
+    assert len(changed) == len(after), (
+        f"the step (lr 1e-2) left these weights' bytes unchanged: {set(after) - set(changed)}"
+    )
+    stream2 = _stream(engine)
+    for name, q in after.items():
+        assert torch.equal(stream2[name].view(torch.uint8), q.view(torch.uint8)), f"{name}: stream != new forward bytes"

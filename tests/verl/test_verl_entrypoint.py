@@ -1,0 +1,152 @@
+"""``python -m jetrl.verl``: verl 0.9.1's real ppo_trainer schema plus the jetrl section, recipe application,
+verl's own batch checks, the model-shape check, the lint gate and the dry run."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+verl = pytest.importorskip(
+    "verl", reason="verl 0.9.1 is installed by `make venv` (third_party/verl-cpu-requirements.txt)"
+)
+
+from jetrl.tiny import save_tiny_checkpoint  # noqa: E402
+from jetrl.verl.launch import ConfigError, check_model_shapes, compose, lint_gate, validate  # noqa: E402
+
+ENTRYPOINT_GUARD_S = 1800
+"""Generous guard against a hung subprocess (a dry run takes seconds)."""
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "seed0", seed=0)
+
+
+def _base(ckpt) -> list[str]:
+    return [
+        f"actor_rollout_ref.model.path={ckpt}",
+        "data.train_files=/nonexistent/train.parquet",
+        "data.val_files=/nonexistent/test.parquet",
+        "algorithm.adv_estimator=grpo",
+        "trainer.n_gpus_per_node=1",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.name=vllm",
+        # no flash-attn here (README "verl")
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        "actor_rollout_ref.model.use_remove_padding=false",
+    ]
+
+
+def test_jetrl_unified_selects_jetrls_engine_and_rollout(ckpt):
+    cfg = compose(_base(ckpt))
+    assert cfg.jetrl.recipe == "jetrl-unified" and cfg.jetrl.lint and not cfg.jetrl.dry_run
+    changed = validate(cfg)
+    env = cfg.ray_kwargs.ray_init.runtime_env.env_vars
+    assert env.VERL_ENGINE_VENDOR == "jetrl" and env.JETRL_RECIPE == "jetrl-unified"
+    assert env.VERL_USE_EXTERNAL_MODULES == "jetrl.verl.plugin"
+    assert cfg.actor_rollout_ref.rollout.name == "jetrl_vllm"
+    assert cfg.actor_rollout_ref.model.external_lib == "jetrl.verl.plugin"
+    assert cfg.actor_rollout_ref.rollout.quantization is None
+    assert changed["actor_rollout_ref.rollout.name"] == "jetrl_vllm"
+
+
+@pytest.mark.parametrize(("recipe", "quantization"), [("naive-fp8-rollout", "fp8"), ("bf16", None)])
+def test_baselines_are_stock_verl(ckpt, recipe, quantization):
+    cfg = compose(_base(ckpt) + [f"jetrl.recipe={recipe}"])
+    validate(cfg)
+    assert cfg.actor_rollout_ref.rollout.name == "vllm"
+    assert cfg.actor_rollout_ref.rollout.quantization == quantization
+    assert "VERL_ENGINE_VENDOR" not in (cfg.ray_kwargs.ray_init.runtime_env.get("env_vars") or {})
+    assert cfg.actor_rollout_ref.model.external_lib is None
+
+
+@pytest.mark.parametrize("key", ["actor_rollout_ref.actor.no_such_option", "jetrl.no_such_option"])
+def test_an_unknown_key_fails_naming_it(ckpt, key):
+    with pytest.raises(Exception, match=key.rsplit(".", 1)[-1]):
+        compose(_base(ckpt) + [f"{key}=1"])
+
+
+def test_the_recipe_key_is_validated(ckpt):
+    with pytest.raises(ConfigError, match=r"jetrl\.recipe='fp4'.*jetrl-unified"):
+        validate(compose(_base(ckpt) + ["jetrl.recipe=fp4"]))
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ("actor_rollout_ref.rollout.quantization=fp8", r"actor_rollout_ref\.rollout\.quantization='fp8'"),
+        ("actor_rollout_ref.rollout.name=sglang", r"actor_rollout_ref\.rollout\.name='sglang'"),
+    ],
+)
+def test_settings_contradicting_the_recipe_are_named(ckpt, override, named):
+    with pytest.raises(ConfigError, match=named):
+        validate(compose(_base(ckpt) + [override]))
+
+
+def test_verls_own_batch_checks_run(ckpt):
+    # 4 prompts x 2 samples = 8 sequences over 3 GPUs: verl's validate_config refuses
+    with pytest.raises(AssertionError, match=r"real_train_batch_size \(8\) must be divisible"):
+        validate(compose(_base(ckpt) + ["trainer.n_gpus_per_node=3"]))
+
+
+def test_model_shapes_are_checked_against_128x128(ckpt, tmp_path):
+    cfg = compose(_base(ckpt))
+    dims = check_model_shapes(cfg)
+    assert dims["hidden_size"] == 256 and all(v % 128 == 0 for v in dims.values())
+    hf = json.loads((ckpt / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "intermediate_size": 200}))
+    cfg.actor_rollout_ref.model.path = str(tmp_path)
+    with pytest.raises(ConfigError, match=r"intermediate_size': 200"):
+        check_model_shapes(cfg)
+    cfg.actor_rollout_ref.model.path = str(tmp_path / "absent")
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.model\.path=.*no config\.json"):
+        check_model_shapes(cfg)
+    cfg.jetrl.recipe = "bf16"  # BF16 training has no block constraint
+    assert check_model_shapes(cfg) == {}
+
+
+def test_the_lint_refuses_the_off_policy_baseline_unless_told(ckpt, capsys):
+    cfg = compose(_base(ckpt) + ["jetrl.recipe=naive-fp8-rollout"])
+    validate(cfg)
+    assert lint_gate(cfg) == 1
+    out = capsys.readouterr()
+    assert "quantized-one-side" in out.out and "refusing to train" in out.err
+    cfg.jetrl.proceed_on_lint_violation = True
+    assert lint_gate(cfg) == 0
+    bf16 = compose(_base(ckpt) + ["jetrl.recipe=bf16"])
+    validate(bf16)
+    assert lint_gate(bf16) == 0
+
+
+def _entrypoint(args, cwd):
+    # a plain process: without the tests' CPU platform (verl falls back to its CUDA platform, as a user's would)
+    env = {k: v for k, v in os.environ.items() if k != "VERL_PLATFORM"}
+    return subprocess.run(
+        [sys.executable, "-m", "jetrl.verl", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=ENTRYPOINT_GUARD_S,
+    )
+
+
+def test_dry_run_prints_the_config_and_exits_0_without_ray(ckpt, tmp_path):
+    res = _entrypoint(_base(ckpt) + ["jetrl.dry_run=true"], tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "configuration valid" in res.stdout and "name: jetrl_vllm" in res.stdout
+    assert "ray init kwargs" not in res.stdout  # verl's run_ppo never started
+
+
+def test_entrypoint_exits_nonzero_naming_a_bad_key(ckpt, tmp_path):
+    res = _entrypoint(_base(ckpt) + ["jetrl.dry_run=true", "trainer.no_such_option=1"], tmp_path)
+    assert res.returncode != 0
+    assert "no_such_option" in res.stderr, res.stderr[-3000:]
+    res = _entrypoint(_base(ckpt) + ["jetrl.dry_run=true", "jetrl.recipe=fp4"], tmp_path)
+    assert res.returncode == 2 and "jetrl.recipe='fp4'" in res.stderr, res.stderr[-3000:]
