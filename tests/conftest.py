@@ -13,17 +13,20 @@ import os
 import pytest
 
 REQUIRED_ON_CI = ("vllm", "transformers", "triton", "ml_dtypes", "verl")
-"""On CI a skip for any of these fails the session (``verl``: tests/verl, installed by `make venv`)."""
+"""On CI a skip for any of these fails the session (``verl``: tests/verl_integration, installed by `make venv`)."""
 
 
 def pytest_sessionstart(session):
     if not os.environ.get("CI"):
         return
-    broken = []
+    broken: list[str] = []
     for name in REQUIRED_ON_CI:
         try:
-            importlib.import_module(name)
+            mod = importlib.import_module(name)
         except Exception as e:  # noqa: BLE001 - any import failure is the finding
             broken.append(f"{name}: {type(e).__name__}: {e}")
+            continue
+        if getattr(mod, "__file__", None) is None:  # a namespace package: some folder named like it, not the package
+            broken.append(f"{name}: only a namespace package ({list(mod.__path__)}), not the installed package")
     if broken:
         raise pytest.UsageError("CI must run every CPU test, but these cannot be imported: " + "; ".join(broken))

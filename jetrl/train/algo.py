@@ -25,7 +25,7 @@ DAPO (Yu et al. 2025) changes four things, each a separate function or option he
    response budget (`overlong_penalty`).
 
 Same algorithm as verl 0.9.1 (``verl.trainer.ppo.core_algos``), so the local trainer and the verl path
-train alike; ``tests/verl/test_algo_parity.py`` compares these functions with verl's on identical inputs,
+train alike; ``tests/verl_integration/test_algo_parity.py`` compares these functions with verl's on identical inputs,
 bitwise. Taken from verl:
 
 - Dual-clip PPO (Ye et al. 2020, verl's ``clip_ratio_c``, default 3; DAPO recipes use 10): for a

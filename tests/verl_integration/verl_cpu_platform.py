@@ -4,7 +4,7 @@ verl 0.9.1 ships CUDA / NPU / ROCm platforms and falls back to ``nvidia`` (``tor
 accelerator is found, so its FSDP engine cannot run on a CPU-only machine. verl's platform plugin API
 (`verl.plugin.platform.PlatformRegistry`, selected by ``VERL_PLATFORM``) is the documented way to add a
 device; this registers one named ``jetrl_cpu_test`` whose device is ``cpu`` (gloo, no IPC). It is used
-only by `tests/verl` to run the real engine code on CPU.
+only by `tests/verl_integration` to run the real engine code on CPU.
 """
 
 from __future__ import annotations
