@@ -46,6 +46,10 @@ __all__ = [
 ]
 
 
+LOGGERS = {"tensorboard": "tensorboard", "wandb": "wandb"}
+"""``run.loggers`` names -> the Python package each needs (`jetrl.train.loggers` opens them)."""
+
+
 class ConfigError(ValueError):
     """A config value that cannot work; the message starts with the dotted field name."""
 
@@ -442,8 +446,6 @@ def _check_values(cfg: TrainConfig) -> None:
             f"{w.steps}: the supervised warm-up is for the embedded tiny model; set warmup.steps=0 when "
             "model.path is given",
         )
-    from .loggers import LOGGERS
-
     for name in r.loggers:
         if name not in LOGGERS:
             raise _fail("run.loggers", f"unknown logger {name!r}; choose from {list(LOGGERS)}")

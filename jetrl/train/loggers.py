@@ -15,12 +15,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, TrainConfig
+from .config import LOGGERS, ConfigError, TrainConfig
 
 __all__ = ["LOGGERS", "VERL_NAMES", "check_loggers", "open_loggers", "verl_name"]
 
-LOGGERS = {"tensorboard": "tensorboard", "wandb": "wandb"}
-"""Logger name -> the Python package it needs."""
 
 VERL_NAMES = {
     "reward/mean": "critic/score/mean",
