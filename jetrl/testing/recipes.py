@@ -14,12 +14,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from jetrl.testing.subprocess_guard import HANG_GUARD_S
+
 __all__ = ["RECIPES_DIR", "verl_recipes", "recipe_argv", "overrides_dict"]
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 """The repository's recipes/ folder (this helper is for the source tree, not an installed wheel)."""
-HANG_GUARD_S = 1800
-"""Bound on one recipe run (it only records its arguments): a guard against a hang, not a speed limit."""
 
 
 def verl_recipes() -> list[Path]:

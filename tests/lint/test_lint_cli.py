@@ -138,7 +138,7 @@ def test_a_corrupt_checkpoint_points_to_the_served_flag_that_exists(tiny_ckpt, t
     w = bad / "model.safetensors"
     w.write_bytes(w.read_bytes()[:-4096])
     argv = [sys.executable, "-m", "jetrl.cli", "lint", "--model", str(bad), "--recipe", "jetrl-unified"]
-    proc = subprocess.run([*argv, "--rollout", "stock-vllm"], capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run([*argv, "--rollout", "stock-vllm"], capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 2, proc.stderr[-2000:]
     first = proc.stderr.splitlines()[0]
     assert first.startswith(f"jetrl lint: error: cannot load {bad} as the trainer's BF16 HF model")

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from jetrl.tasks.parquet import read_parquet
+from jetrl.testing.subprocess_guard import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[2]
-HANG_GUARD_S = 1800  # a guard against a hung interpreter only, never a speed requirement
 
 GSM8K = {"question": "Tom has 2 cats and 3 dogs. How many pets?", "answer": "2 + 3 = 5\n#### 5"}
 MATH = {"problem": "Compute $2^3$.", "solution": "$2^3 = \\boxed{8}$", "level": "Level 1", "type": "Algebra"}

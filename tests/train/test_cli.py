@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from jetrl.testing.subprocess_guard import HANG_GUARD_S
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "recipes" / "tiny-arith-cpu.yaml"
-HANG_GUARD_S = 1800
-"""Only against a hang: these commands take seconds; a slow shared machine must not fail them."""
 
 
 def run(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:

@@ -13,8 +13,7 @@ import sys
 import pytest
 import torch
 
-HANG_GUARD_S = 1800
-"""Only against a hang: the export takes seconds."""
+from jetrl.testing.subprocess_guard import HANG_GUARD_S
 
 
 @pytest.fixture(scope="module")

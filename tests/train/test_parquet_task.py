@@ -15,9 +15,9 @@ from jetrl.tasks.arithmetic import ArithmeticTask, Stream, verl_rows
 from jetrl.tasks.dataset import ParquetTask
 from jetrl.tasks.parquet import write_parquet
 from jetrl.tasks.rows import DataError
+from jetrl.testing.subprocess_guard import HANG_GUARD_S
 from jetrl.train.config import ConfigError, apply_overrides, config_from_dict
 
-HANG_GUARD_S = 1800  # a guard against a hung run only, never a speed requirement
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 """A chat template the tiny character tokenizer can encode (no role markers: a character vocabulary)."""
 

