@@ -13,7 +13,10 @@ Written against verl 0.9.1 (read from its wheel). The hooks jetrl uses, and wher
   `RolloutReplicaRegistry` and, for the trainer-side adapter, in ``verl/workers/rollout/base.py``'s
   rollout-class table;
 - the trainer: ``verl/trainer/main_ppo.py`` `run_ppo` / `TaskRunnerV1`, the hydra config
-  ``verl/trainer/config/ppo_trainer.yaml`` and ``verl/utils/config.py`` `validate_config`.
+  ``verl/trainer/config/ppo_trainer.yaml`` and ``verl/utils/config.py`` `validate_config`; the V1
+  trainers (``verl/trainer/ppo/v1/trainer_base.py`` `PPOTrainer`, chosen by ``trainer.v1.trainer_mode``
+  through `get_trainer_cls`), whose per-step data lives in TransferQueue (``transfer_queue``, verl 0.9.1's
+  V1 data plane, ``tq.kv_batch_get`` returning TensorDicts of jagged per-sample tensors).
 
 Nothing here patches verl or vLLM: registering jetrl's classes under jetrl's own keys (vendor ``jetrl``,
 rollout ``jetrl_vllm``) is done by `jetrl.verl.plugin`, which verl imports through
@@ -24,11 +27,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import transfer_queue as tq
 import verl
 from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
 from verl.trainer.ppo.utils import need_critic, need_reference_policy
+from verl.trainer.ppo.v1 import PPOTrainer, get_trainer_cls
 from verl.utils.config import validate_config
 from verl.utils.fsdp_utils import fsdp_version
+from verl.utils.logging_utils import configure_verl_logging
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.rollout import base as _rollout_base
@@ -46,7 +52,12 @@ __all__ = [
     "EngineRegistry",
     "FSDPEngineWithLMHead",
     "RolloutReplicaRegistry",
+    "PPOTrainer",
     "TaskRunnerV1",
+    "TaskRunnerV1Class",
+    "get_trainer_cls",
+    "configure_verl_logging",
+    "tq",
     "fsdp_version",
     "need_critic",
     "need_reference_policy",
@@ -65,6 +76,10 @@ VERL_VERSION = verl.__version__
 
 VERL_CONFIG_DIR = Path(verl.__file__).parent / "trainer" / "config"
 """verl's hydra config directory (``ppo_trainer.yaml`` and its groups)."""
+
+TaskRunnerV1Class = TaskRunnerV1.__ray_actor_class__
+"""`TaskRunnerV1` is a Ray actor class (``@ray.remote``); this is the plain class under it, to subclass."""
+
 
 VLLM_ROLLOUT_NAME = "vllm"
 """verl's own rollout name for vLLM, whose trainer-side adapter jetrl's rollout reuses."""

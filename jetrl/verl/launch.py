@@ -17,7 +17,9 @@ key a user sets is ``jetrl.recipe``; `apply_recipe` turns it into verl settings:
 ``jetrl:`` section, and, for FP8 training, that every projection of the model at
 ``actor_rollout_ref.model.path`` (its config.json) suits the 128x128 recipe. A dry run stops there and
 prints the config. Otherwise `lint_gate` runs ``jetrl lint`` for the recipe and refuses to start on a
-violation unless ``jetrl.proceed_on_lint_violation=true``; then verl's ``run_ppo`` starts Ray.
+violation unless ``jetrl.proceed_on_lint_violation=true``; then verl's ``run_ppo`` starts Ray with
+`jetrl.verl.trainer.JetrlTaskRunner` (verl's V1 task runner adding jetrl's per-step metrics; so
+``trainer.use_v1=false`` and ``rollout.calculate_log_probs=false`` are refused, naming the key).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from jetrl.recipe import BLOCK, RECIPE_NAMES, Recipe
 __all__ = [
     "CONFIG_DIR",
     "CONFIG_NAME",
+    "COLOCATED_TRAINER_MODES",
     "JETRL_KEYS",
     "PLUGIN_MODULE",
     "ConfigError",
@@ -49,6 +52,8 @@ CONFIG_DIR = Path(__file__).parent / "config"
 CONFIG_NAME = "jetrl_ppo_trainer"
 JETRL_KEYS = ("recipe", "dry_run", "lint", "proceed_on_lint_violation")
 PLUGIN_MODULE = "jetrl.verl.plugin"
+COLOCATED_TRAINER_MODES = ("sync", "colocate_async")
+"""verl 0.9.1 V1 trainer modes whose weight sync is the colocated one jetrl's worker extension receives."""
 VERL_FP8_ROLLOUT_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 """The vLLM quantization_config verl 0.9.1 starts its FP8 rollout with (``vLLMHttpServer._apply_quantization``,
 ``rollout.quantization=fp8``); verl then re-quantizes the BF16 weights it receives at every sync."""
@@ -101,6 +106,16 @@ def apply_recipe(cfg: DictConfig) -> dict[str, str]:
     arr = cfg.actor_rollout_ref
     rollout = arr.rollout
     changed: dict[str, str] = {}
+    if not cfg.trainer.use_v1:
+        raise ConfigError(
+            "trainer.use_v1=false: python -m jetrl.verl runs verl's V1 trainer (jetrl.verl.trainer adds jetrl's "
+            "per-step metrics there); verl's legacy trainer is python -m verl.trainer.main_ppo"
+        )
+    if not rollout.calculate_log_probs:
+        raise ConfigError(
+            "actor_rollout_ref.rollout.calculate_log_probs=false: jetrl's per-step mismatch metrics compare vLLM's "
+            "rollout log-probs with the trainer's old_log_probs (every jetrl recipe logs them; leave it true)"
+        )
     if recipe.name == "naive-fp8-rollout":
         if rollout.quantization not in (None, "fp8"):
             raise ConfigError(
@@ -118,6 +133,11 @@ def apply_recipe(cfg: DictConfig) -> dict[str, str]:
         return changed
     from jetrl.verl.worker import ROLLOUT_NAME
 
+    if cfg.trainer.v1.trainer_mode not in COLOCATED_TRAINER_MODES:
+        raise ConfigError(
+            f"trainer.v1.trainer_mode={cfg.trainer.v1.trainer_mode!r}: jetrl-unified syncs the trainer's FP8 bytes "
+            f"into colocated rollout workers (verl's in-process sync); use one of {list(COLOCATED_TRAINER_MODES)}"
+        )
     for role in ("actor", "ref"):
         strategy = arr[role].get("strategy")
         if strategy not in ("fsdp", "fsdp2"):
@@ -246,7 +266,8 @@ def main(cfg: DictConfig) -> int:
         code = lint_gate(cfg)
         if code:
             return code
-    from jetrl.verl.adapter import TaskRunnerV1, run_ppo
+    from jetrl.verl.adapter import run_ppo
+    from jetrl.verl.trainer import JetrlTaskRunner
 
-    run_ppo(cfg, task_runner_class=TaskRunnerV1)
+    run_ppo(cfg, task_runner_class=JetrlTaskRunner)
     return 0

@@ -10,12 +10,16 @@ verl logs ``training/rollout_probs_diff_{max,mean,std}``, which is |p_rollout - 
   exp(logp_trainer - logp_rollout) (1 when on-policy; what TIS would clip).
 - ``mismatch/tokens``: response tokens measured.
 
-And of each weight sync (trainer side: `jetrl.verl.engine` stream stats; rollout side: the worker's
-`jetrl.rollout.sync.SyncReport`):
+And of each weight sync of the ``jetrl-unified`` recipe, from every rollout worker's report
+(`jetrl.verl.worker.JetrlWorkerExtension.jetrl_sync_report`, a `jetrl.rollout.sync.SyncReport` plus counts):
 
-- ``sync/bytes``: payload bytes streamed (fp8 bytes + scales + BF16 tensors), ``sync/seconds``: export
-  and send time on the trainer, ``sync/install_seconds``: copy + verification in the engine,
-  ``sync/digests``: tensors digest-compared, ``sync/digests_equal``: 1.0 (a mismatch raises instead).
+- ``sync/bytes``: payload bytes each rollout worker received and installed (fp8 bytes + scales + BF16
+  tensors; equal on every worker, else an error), ``sync/seconds``: the trainer's wall time of verl's
+  ``update_weights`` (export, transport, install; verl logs the same as ``timing_s/update_weights``),
+  ``sync/install_seconds``: the slowest worker's copy + verification, ``sync/arrival_digests``: tensors
+  whose digest was compared on arrival with the trainer's, ``sync/digests``: tensors digest-compared in
+  the engine's memory after the copy (both summed over workers), ``sync/digests_equal``: 1.0 (a mismatch
+  raises `WeightSyncError` in the sync instead), ``sync/workers``: rollout workers reporting.
 
 Positions outside ``response_mask`` are never read, whatever they hold (padding may be inf or NaN).
 """
@@ -24,7 +28,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["METRIC_KEYS", "mismatch_metrics", "sync_metrics"]
+__all__ = [
+    "METRIC_KEYS",
+    "MISMATCH_FIELDS",
+    "MissingLogProbsError",
+    "batch_mismatch_metrics",
+    "mismatch_metrics",
+    "sync_metrics",
+]
 
 METRIC_KEYS = (
     "mismatch/logp_abs_diff_mean",
@@ -35,9 +46,18 @@ METRIC_KEYS = (
     "sync/bytes",
     "sync/seconds",
     "sync/install_seconds",
+    "sync/arrival_digests",
     "sync/digests",
     "sync/digests_equal",
+    "sync/workers",
 )
+
+MISMATCH_FIELDS = ("response_mask", "old_log_probs", "rollout_log_probs")
+"""The verl batch fields `batch_mismatch_metrics` reads."""
+
+
+class MissingLogProbsError(ValueError):
+    """A verl batch lacks a log-prob field the mismatch metrics need (the message names it and the fix)."""
 
 
 def mismatch_metrics(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, response_mask: torch.Tensor) -> dict:
@@ -65,16 +85,55 @@ def mismatch_metrics(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, res
     }
 
 
-def sync_metrics(export_stats: dict, install_report: dict | None = None) -> dict:
-    """One sync's metrics from the engine's ``jetrl_last_export`` and the worker's report (``to_dict``)."""
-    out = {"sync/bytes": int(export_stats["bytes"]), "sync/seconds": float(export_stats["seconds"])}
-    if install_report is not None:
-        if install_report["bytes"] != export_stats["bytes"]:
-            raise ValueError(
-                f"sync_metrics: the trainer streamed {export_stats['bytes']} bytes but the engine installed "
-                f"{install_report['bytes']}"
-            )
-        out["sync/install_seconds"] = float(install_report["seconds"])
-        out["sync/digests"] = int(install_report["n_digests"])
-        out["sync/digests_equal"] = 1.0 if install_report["digests_equal"] else 0.0
+def batch_mismatch_metrics(data) -> dict:
+    """`mismatch_metrics` of one verl batch: trainer ``old_log_probs`` against vLLM's ``rollout_log_probs``
+    over ``response_mask``.
+
+    `data` is what verl 0.9.1's V1 trainer holds: a TensorDict of jagged per-sample tensors as TransferQueue
+    returns it (``kv_batch_get``), a padded TensorDict, or a `DataProto` (its ``.batch``). Jagged batches
+    are padded the way verl pads them before its own ``calculate_debug_metrics`` (``to_padded_tensor``).
+    Raises `MissingLogProbsError` naming the field when one is absent."""
+    batch = getattr(data, "batch", data)
+    keys = set(batch.keys())
+    missing = [k for k in MISMATCH_FIELDS if k not in keys]
+    if "rollout_log_probs" in missing:
+        raise MissingLogProbsError(
+            "the verl batch has no 'rollout_log_probs' (vLLM's per-token log-probs of the sampled tokens), which "
+            "jetrl's mismatch metrics compare with the trainer's 'old_log_probs': set "
+            "actor_rollout_ref.rollout.calculate_log_probs=true"
+        )
+    if missing:
+        raise MissingLogProbsError(
+            f"the verl batch has no {missing[0]!r}: jetrl's mismatch metrics read {list(MISMATCH_FIELDS)} after verl's "
+            "old-log-prob step"
+        )
+    if any(batch.get(k).is_nested for k in MISMATCH_FIELDS):
+        batch = batch.select(*MISMATCH_FIELDS).to_padded_tensor()
+    return mismatch_metrics(batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"])
+
+
+def sync_metrics(reports: list, seconds: float | None = None) -> dict:
+    """One weight sync's metrics (module docstring) from every rollout worker's report (a
+    `SyncReport.to_dict` with ``n_arrival_digests``) and the trainer's wall time of the sync."""
+    if not reports:
+        raise ValueError("sync_metrics: no rollout worker reported a weight sync")
+    missing = [i for i, r in enumerate(reports) if r is None]
+    if missing:
+        raise ValueError(
+            f"sync_metrics: rollout worker {missing[0]} has installed no jetrl weight sync ({len(missing)} of "
+            f"{len(reports)} workers): its engine does not run a jetrl quantization method"
+        )
+    sizes = [int(r["bytes"]) for r in reports]
+    if len(set(sizes)) != 1:
+        raise ValueError(f"sync_metrics: the rollout workers installed different payloads: bytes {sizes}")
+    out = {
+        "sync/bytes": sizes[0],
+        "sync/install_seconds": max(float(r["seconds"]) for r in reports),
+        "sync/arrival_digests": sum(int(r["n_arrival_digests"]) for r in reports),
+        "sync/digests": sum(int(r["n_digests"]) for r in reports),
+        "sync/digests_equal": 1.0 if all(r["digests_equal"] for r in reports) else 0.0,
+        "sync/workers": len(reports),
+    }
+    if seconds is not None:
+        out["sync/seconds"] = float(seconds)
     return out

@@ -21,6 +21,12 @@ and only when the engine runs one of jetrl's quantization methods (``jetrl_fp8``
 `JetrlvLLMHttpServer` (verl's vLLM server with this extension and jetrl's quantization method for the
 recipe in ``JETRL_RECIPE``) and `JetrlvLLMReplica` are what rollout name ``jetrl_vllm`` resolves to
 (`register_rollout`); the trainer-side adapter stays verl's vLLM ``ServerAdapter``.
+
+verl 0.9.1 drops what ``update_weights_from_ipc`` returns (``ServerAdapter.update_weights`` awaits the
+collective RPC and discards it), so each worker keeps its last report (`jetrl_sync_report`: the
+`SyncReport` fields, ``n_arrival_digests`` and a running ``sync_index``) and the server hands every
+worker's report to the trainer on request (``JetrlvLLMHttpServer.jetrl_sync_reports``, called by
+`jetrl.verl.trainer` after each step's sync).
 """
 
 from __future__ import annotations
@@ -117,6 +123,7 @@ class JetrlWorkerExtension(vLLMColocateWorkerExtension):
     """verl's colocated vLLM worker extension, receiving jetrl's byte-verified FP8 stream (module docstring)."""
 
     jetrl_last_sync: dict | None = None
+    jetrl_sync_index: int = 0
 
     def update_weights_from_ipc(self, peft_config: dict = None, base_sync_done=False, use_shm: bool = False):
         cfg = jetrl_quant_config(self.model_runner.vllm_config)
@@ -138,8 +145,17 @@ class JetrlWorkerExtension(vLLMColocateWorkerExtension):
             on_bucket_received=on_bucket_received
         )
         report = install_received(self.model_runner.model, received, cfg.recipe_obj)
-        self.jetrl_last_sync = report.to_dict()
+        self.jetrl_sync_index += 1
+        self.jetrl_last_sync = {
+            **report.to_dict(),
+            "n_arrival_digests": sum(n.endswith(DIGEST_SUFFIX) for n in received),
+            "sync_index": self.jetrl_sync_index,
+        }
         _log.info("jetrl weight sync: %s", self.jetrl_last_sync)
+        return self.jetrl_last_sync
+
+    def jetrl_sync_report(self) -> dict | None:
+        """This worker's last installed sync (see `update_weights_from_ipc`), None before the first one."""
         return self.jetrl_last_sync
 
 
@@ -148,6 +164,11 @@ class JetrlvLLMHttpServer(vLLMHttpServer):
 
     def _get_worker_extension_cls(self) -> str:
         return WORKER_EXTENSION
+
+    async def jetrl_sync_reports(self) -> list[dict | None]:
+        """Every worker's `JetrlWorkerExtension.jetrl_sync_report` (verl's own ``collective_rpc`` here returns
+        nothing)."""
+        return list(await self.engine.collective_rpc("jetrl_sync_report"))
 
     def _apply_quantization(self):
         if self.config.quantization is not None:

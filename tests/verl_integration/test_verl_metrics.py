@@ -1,11 +1,12 @@
-"""jetrl's verl metrics: log-space mismatch over response tokens, garbage at masked positions ignored."""
+"""jetrl's verl metrics: log-space mismatch over response tokens, garbage at masked positions ignored (the
+sync metrics and the per-step hook: test_verl_step_metrics.py)."""
 
 import math
 
 import pytest
 import torch
 
-from jetrl.verl.metrics import METRIC_KEYS, mismatch_metrics, sync_metrics
+from jetrl.verl.metrics import METRIC_KEYS, mismatch_metrics
 
 
 def test_mismatch_is_log_space_over_response_tokens_only():
@@ -30,17 +31,3 @@ def test_bad_inputs_are_refused_with_the_reason():
         mismatch_metrics(t, t, torch.zeros(2, 3))
     with pytest.raises(ValueError, match="1 of 6 response tokens"):
         mismatch_metrics(t, torch.tensor([[0.0, 0, 0], [0, 0, float("nan")]]), torch.ones(2, 3))
-
-
-def test_sync_metrics_cross_check_both_sides():
-    export = {"bytes": 1000, "seconds": 0.5}
-    report = {"bytes": 1000, "seconds": 0.2, "n_digests": 39, "digests_equal": True}
-    assert sync_metrics(export, report) == {
-        "sync/bytes": 1000,
-        "sync/seconds": 0.5,
-        "sync/install_seconds": 0.2,
-        "sync/digests": 39,
-        "sync/digests_equal": 1.0,
-    }
-    with pytest.raises(ValueError, match="streamed 1000 bytes but the engine installed 999"):
-        sync_metrics(export, {**report, "bytes": 999})

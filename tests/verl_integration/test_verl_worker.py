@@ -23,6 +23,7 @@ from jetrl.testing.subprocess_guard import HANG_GUARD_S  # noqa: E402
 from jetrl.tiny import build_tiny_model, save_tiny_checkpoint  # noqa: E402
 from jetrl.verl.adapter import BucketedWeightSender  # noqa: E402
 from jetrl.verl.engine import DIGEST_SUFFIX, SCALE_SUFFIX, fp8_export_stream  # noqa: E402
+from jetrl.verl.metrics import sync_metrics  # noqa: E402
 from jetrl.verl.worker import WORKER_EXTENSION, install_received  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -88,6 +89,15 @@ def test_verl_transport_installs_the_trainers_fp8_bytes(engine):
     assert report["n_params"] == 25, report  # fused qkv / gate_up parts placed separately
     # jetrl's own check, independent of the worker: the engine holds exactly the trainer's export
     assert verify_weights(trainer, engine, RECIPE) == report["n_digests"]
+    # what the trainer asks for after the sync (verl drops the RPC's return): the same report, each tensor
+    # of the stream digest-checked on arrival, and the sync counted
+    stats: dict = {}
+    sd = {k: v.detach().float() for k, v in trainer.state_dict().items()}
+    sent = list(fp8_export_stream(iter(sd.items()), names, torch.bfloat16, stats))
+    assert engine.llm.collective_rpc("jetrl_sync_report") == [report]
+    assert report["n_arrival_digests"] == stats["n_digests"] == sum(n.endswith(DIGEST_SUFFIX) for n, _ in sent)
+    assert report["sync_index"] >= 1
+    assert sync_metrics([report])["sync/bytes"] == report["bytes"] == stats["bytes"]
 
 
 def test_a_byte_changed_in_transit_is_named(engine):
