@@ -105,7 +105,9 @@ def test_recipe_dry_run_through_the_entrypoint(script, tmp_path):
         "MODEL_PATH": str(script.parent / "models" / model),
         "DATA_DIR": str(tmp_path),
     }
-    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    proc = subprocess.run(  # in tmp_path: hydra writes its outputs/ folder into the working directory
+        ["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S
+    )
     assert proc.returncode == 0, f"{script.name}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
     assert proc.stdout.strip().splitlines()[-1].startswith("jetrl.verl dry run: configuration valid"), proc.stdout[
         -500:
