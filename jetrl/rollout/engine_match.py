@@ -127,19 +127,25 @@ def round_bf16(x: torch.Tensor, rounding: str) -> torch.Tensor:
     return _TruncateBF16.apply(x.to(torch.float32))
 
 
+def _to_model_dtype(x: torch.Tensor, dtype: torch.dtype, rounding: str) -> torch.Tensor:
+    """`x` in the model's dtype as the engine's kernel stores it: BF16 with the kernel's rounding; another
+    dtype (an fp32 copy of the model, as tests use) by a plain cast."""
+    return round_bf16(x, rounding) if dtype == torch.bfloat16 else x.to(dtype)
+
+
 def _attention(module, query, key, value, attention_mask, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     dtype = module.o_proj.weight.dtype  # BF16 (a KV cache may have upcast `value`)
     rounding = getattr(module, "_jetrl_rounding", "nearest-even")
-    q = round_bf16(query.float(), rounding).to(torch.float32)  # the engine's RoPE kernel stores q/k in BF16
-    k = round_bf16(key.float(), rounding).to(torch.float32)
+    q = _to_model_dtype(query, dtype, rounding).to(torch.float32)  # the engine's RoPE kernel stores q/k in BF16
+    k = _to_model_dtype(key, dtype, rounding).to(torch.float32)
     v = value.to(dtype).to(torch.float32)
     mask = attention_mask
     if mask is not None and mask.dtype.is_floating_point:
         mask = mask.to(torch.float32)
     out, weights = sdpa_attention_forward(module, q, k, v, mask, **kwargs)
-    return round_bf16(out, rounding), weights  # the attention kernel rounds its fp32 output the same way
+    return _to_model_dtype(out, dtype, rounding), weights  # the attention kernel rounds its fp32 output so too
 
 
 def _rope_forward(self, x, position_ids):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from jetrl.rollout.engine_match import match_vllm_cpu, round_bf16, vllm_cpu_path
+from jetrl.rollout.engine_match import VllmCpuPath, match_vllm_cpu, round_bf16, vllm_cpu_path
 from jetrl.tiny import CharTokenizer, build_tiny_model, save_checkpoint
 
 
@@ -121,3 +121,14 @@ def test_match_reports_the_path_it_applied():
     path = match_vllm_cpu(m)
     assert path == m._jetrl_vllm_cpu_path
     assert all(layer.self_attn._jetrl_rounding == path.rounding for layer in m.model.layers)
+
+
+def test_matched_fp32_copy_stays_fp32():
+    """An fp32 copy of a matched model (what the micro-batch partition test trains) casts, not rounds to
+    BF16: only BF16 models get the engine kernels' rounding."""
+    m = build_tiny_model(0)
+    match_vllm_cpu(m, VllmCpuPath("_C_AVX2", "vec", "toward-zero", True))
+    m = m.float()
+    with torch.no_grad():
+        logits = m(input_ids=_ids(), use_cache=False).logits
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
