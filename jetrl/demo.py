@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         help="override a config field (repeatable), e.g. --set algo.name=dapo",
     )
     args = p.parse_args(argv)
-    from jetrl.train.cli import Interrupted, handle_signals, interrupt_line, quiet_engine_logs
+    from jetrl.train.cli import Interrupted, handle_signals, interrupt_line, quiet_engine_logs, user_error
 
     quiet_engine_logs(args.verbose)  # an explicit VLLM_LOGGING_LEVEL in the environment wins
     overrides = list(args.overrides)
@@ -239,15 +239,8 @@ def main(argv: list[str] | None = None) -> int:
                 active=active,
                 verbose=args.verbose,
             )
-        except ConfigError as e:
-            print(f"jetrl demo: bad config: {e}", file=sys.stderr)
-            return 2
-        except ModelFileError as e:
-            print(f"jetrl demo: bad model file: {e}", file=sys.stderr)
-            return 2
-        except TrainError as e:
-            print(f"jetrl demo: {e}", file=sys.stderr)
-            return 1
+        except (ConfigError, ModelFileError, TrainError) as e:
+            return user_error("jetrl demo", e)
         except Interrupted as e:
             trainer = active[-1] if active else None
             if trainer is not None:

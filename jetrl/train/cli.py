@@ -70,6 +70,19 @@ def quiet_engine_logs(verbose: bool) -> None:
         log.propagate = False
 
 
+def user_error(prog: str, e: Exception) -> int:
+    """A user's mistake (`ConfigError`, `ModelFileError`, `TrainError`) as one line on stderr; returns the
+    exit code: 2 for a bad config or model file, 1 for a run that cannot go on."""
+    from .config import ConfigError
+    from .modelfiles import ModelFileError
+
+    what, code = ("bad config: ", 2) if isinstance(e, ConfigError) else ("", 1)
+    if isinstance(e, ModelFileError):
+        what, code = "bad model file: ", 2
+    print(f"{prog}: {what}{e}", file=sys.stderr)
+    return code
+
+
 def interrupt_line(trainer, signum: int, *, resume: str | None = None) -> str:
     """The one line an interrupted run prints; `resume` replaces ``--resume`` as the command to continue."""
     step = trainer.current_step if trainer is not None else 0
@@ -127,20 +140,12 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"dry run: config OK for this machine; outputs would go to {cfg.run_dir}")
                     return 0
                 trainer = Trainer(cfg, resume=args.resume, overwrite=args.overwrite, verbose=args.verbose)
-            except ConfigError as e:
-                print(f"jetrl train: bad config: {e}", file=sys.stderr)
-                return 2
-            except ModelFileError as e:
-                print(f"jetrl train: bad model file: {e}", file=sys.stderr)
-                return 2
-            except TrainError as e:
-                print(f"jetrl train: {e}", file=sys.stderr)
-                return 1
+            except (ConfigError, ModelFileError, TrainError) as e:
+                return user_error("jetrl train", e)
             try:
                 summary = trainer.run()
             except TrainError as e:
-                print(f"jetrl train: {e}", file=sys.stderr)
-                return 1
+                return user_error("jetrl train", e)
             finally:
                 trainer.close()
         except Interrupted as e:
