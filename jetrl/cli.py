@@ -9,6 +9,7 @@ import sys
 SUBCOMMANDS = {
     "lint": ("jetrl.lint.cli", "prove the rollout precision graph is a subgraph of the training forward graph"),
     "train": ("jetrl.train.cli", "run the local GRPO/DAPO trainer from a config file"),
+    "warmup": ("jetrl.train.warmup", "write the tiny model after the supervised warm-up as an HF checkpoint"),
     "export": ("jetrl.train.export", "write a run's trained policy as an HF checkpoint (and vLLM block FP8)"),
 }
 

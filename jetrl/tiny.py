@@ -17,6 +17,12 @@ The tokenizer maps one character to one token (digits, ``+ - * =``, space, ASCII
 punctuation marks) plus ``<pad>``, ``<s>``, ``</s>``. `CharTokenizer.save` writes it as an HF
 fast tokenizer (``tokenizer.json`` built with the `tokenizers` library, ``tokenizer_config.json``)
 that `transformers.AutoTokenizer` and vLLM load offline; its ids equal `CharTokenizer.encode`'s.
+
+``CharTokenizer(chat=True)`` is the same vocabulary with four tokens appended (so every other id is
+unchanged): ``"\n"``, ``<unk>``, ``<|im_start|>`` and ``<|im_end|>``, a ChatML ``chat_template`` and
+``<|im_end|>`` as its end of sequence. verl treats a ``qwen3`` checkpoint as a ChatML model (its rollout
+needs ``<|im_end|>``, a single-token ``"\n"`` and an unknown-token entry); this is the tokenizer of the
+tiny model a verl run trains (`tiny_qwen3_config(chat=True)`, ``jetrl warmup --format chat``).
 """
 
 from __future__ import annotations
@@ -38,6 +44,14 @@ __all__ = [
 ]
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+NEWLINE, UNK, IM_START, IM_END = "\n", "<unk>", "<|im_start|>", "<|im_end|>"
+CHAT_EXTRA = (NEWLINE, UNK, IM_START, IM_END)
+"""Appended to the vocabulary by ``CharTokenizer(chat=True)``, in this order."""
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""ChatML without a system turn or thinking block (what `CharTokenizer.encode_chat` produces)."""
 _CHARS = string.digits + "+-*=" + " " + string.ascii_lowercase + string.ascii_uppercase + ".,:;?!()"
 
 TINY_DEFAULTS: dict = {
@@ -56,13 +70,18 @@ TINY_DEFAULTS: dict = {
 
 
 class CharTokenizer:
-    """One token per character. Ids: 0 ``<pad>``, 1 ``<s>``, 2 ``</s>``, then `_CHARS` in order."""
+    """One token per character. Ids: 0 ``<pad>``, 1 ``<s>``, 2 ``</s>``, then `_CHARS` in order; with
+    `chat`, then `CHAT_EXTRA` (end of sequence ``<|im_end|>``)."""
 
-    def __init__(self) -> None:
-        self.vocab: list[str] = [PAD, BOS, EOS, *_CHARS]
+    def __init__(self, chat: bool = False) -> None:
+        self.chat = chat
+        self.vocab: list[str] = [PAD, BOS, EOS, *_CHARS, *(CHAT_EXTRA if chat else ())]
         self._ids = {tok: i for i, tok in enumerate(self.vocab)}
-        self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
-        self.pad_token, self.bos_token, self.eos_token = PAD, BOS, EOS
+        self._special = {PAD, BOS, EOS, UNK, IM_START, IM_END} & set(self.vocab)
+        self.pad_id, self.bos_id = 0, 1
+        self.eos_token = IM_END if chat else EOS
+        self.eos_id = self._ids[self.eos_token]
+        self.pad_token, self.bos_token = PAD, BOS
 
     def __len__(self) -> int:
         return len(self.vocab)
@@ -73,11 +92,28 @@ class CharTokenizer:
 
     def encode(self, text: str, *, add_bos: bool = True, add_eos: bool = False) -> list[int]:
         """Token ids of `text`; raises ValueError naming any character outside the vocabulary."""
-        bad = sorted({c for c in text if c not in self._ids or c in (PAD, BOS, EOS)})
+        bad = sorted({c for c in text if c not in self._ids or c in self._special})
         if bad:
-            raise ValueError(f"CharTokenizer.encode: characters {bad!r} are not in the vocabulary {_CHARS!r}")
+            chars = _CHARS + (NEWLINE if self.chat else "")
+            raise ValueError(f"CharTokenizer.encode: characters {bad!r} are not in the vocabulary {chars!r}")
         ids = [self._ids[c] for c in text]
         return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
+
+    def encode_chat(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> list[int]:
+        """Ids of `messages` rendered with `CHAT_TEMPLATE` (no ``<s>``: verl and vLLM tokenize a rendered chat
+        without special tokens); equal to the saved HF tokenizer's ``apply_chat_template(..., tokenize=True)``."""
+        if not self.chat:
+            raise ValueError("CharTokenizer.encode_chat: this tokenizer has no chat template (use chat=True)")
+        start, end, nl = self._ids[IM_START], self._ids[IM_END], self._ids[NEWLINE]
+        ids: list[int] = []
+        for i, m in enumerate(messages):
+            if set(m) != {"role", "content"}:
+                raise ValueError(f"CharTokenizer.encode_chat: message {i} needs exactly 'role' and 'content', got {m}")
+            ids += [start, *self.encode(m["role"], add_bos=False), nl]
+            ids += [*self.encode(m["content"], add_bos=False), end, nl]
+        if add_generation_prompt:
+            ids += [start, *self.encode("assistant", add_bos=False), nl]
+        return ids
 
     def decode(self, ids, *, skip_special: bool = True) -> str:
         """Text of `ids`; special tokens dropped unless `skip_special=False`."""
@@ -86,7 +122,7 @@ class CharTokenizer:
             i = int(i)
             if not 0 <= i < len(self.vocab):
                 raise ValueError(f"CharTokenizer.decode: id {i} outside [0, {len(self.vocab)})")
-            if skip_special and i < 3:
+            if skip_special and self.vocab[i] in self._special:
                 continue
             out.append(self.vocab[i])
         return "".join(out)
@@ -95,11 +131,12 @@ class CharTokenizer:
         """The ``tokenizer.json`` text of an equivalent `tokenizers` fast tokenizer."""
         from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-        tok = Tokenizer(models.WordLevel(vocab=dict(self._ids), unk_token=None))
-        # every character is its own pre-token (space included), so WordLevel sees single characters
-        tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+        tok = Tokenizer(models.WordLevel(vocab=dict(self._ids), unk_token=UNK if self.chat else None))
+        # every character is its own pre-token (space and newline included), so WordLevel sees single characters
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
         tok.decoder = decoders.Fuse()
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (PAD, BOS, EOS)])
+        specials = [t for t in self.vocab if t in self._special]
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
         tok.post_processor = processors.TemplateProcessing(
             single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, self.bos_id)]
         )
@@ -110,30 +147,32 @@ class CharTokenizer:
         p = Path(path)
         p.mkdir(parents=True, exist_ok=True)
         (p / "tokenizer.json").write_text(self.to_hf_tokenizer_json())
+        specials = {"bos_token": BOS, "eos_token": self.eos_token, "pad_token": PAD}
+        if self.chat:
+            specials["unk_token"] = UNK
         cfg = {
             "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": BOS,
-            "eos_token": EOS,
-            "pad_token": PAD,
             "unk_token": None,
+            **specials,
             "add_bos_token": True,
             "add_eos_token": False,
             "clean_up_tokenization_spaces": False,
             "model_max_length": TINY_DEFAULTS["max_position_embeddings"],
         }
+        if self.chat:
+            cfg["chat_template"] = CHAT_TEMPLATE
         (p / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
-        (p / "special_tokens_map.json").write_text(
-            json.dumps({"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}, indent=2)
-        )
+        (p / "special_tokens_map.json").write_text(json.dumps(specials, indent=2))
 
 
-def tiny_qwen3_config(**overrides):
-    """`transformers.Qwen3Config` of the tiny model; `overrides` replace `TINY_DEFAULTS` fields.
+def tiny_qwen3_config(chat: bool = False, **overrides):
+    """`transformers.Qwen3Config` of the tiny model (vocabulary of ``CharTokenizer(chat)``); `overrides`
+    replace `TINY_DEFAULTS` fields.
 
     Raises ValueError if an override breaks the multiple-of-128 rule for some projection."""
     from transformers import Qwen3Config
 
-    tok = CharTokenizer()
+    tok = CharTokenizer(chat)
     kw = {
         **TINY_DEFAULTS,
         "vocab_size": tok.vocab_size,
@@ -157,13 +196,13 @@ def tiny_qwen3_config(**overrides):
     return cfg
 
 
-def build_tiny_model(seed: int, **overrides):
-    """A randomly initialised `Qwen3ForCausalLM` (bf16, eval mode) from `tiny_qwen3_config(**overrides)`.
+def build_tiny_model(seed: int, chat: bool = False, **overrides):
+    """A randomly initialised `Qwen3ForCausalLM` (bf16, eval mode) from `tiny_qwen3_config(chat, **overrides)`.
 
     Deterministic in `seed` (the global torch RNG is forked, not disturbed)."""
     from transformers import Qwen3ForCausalLM
 
-    cfg = tiny_qwen3_config(**overrides)
+    cfg = tiny_qwen3_config(chat, **overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(cfg)
@@ -193,6 +232,6 @@ def save_checkpoint(model, tokenizer: CharTokenizer, path: str | os.PathLike) ->
     return p
 
 
-def save_tiny_checkpoint(path: str | os.PathLike, seed: int = 0, **overrides) -> Path:
-    """`build_tiny_model(seed, **overrides)` + `CharTokenizer()` written with `save_checkpoint`."""
-    return save_checkpoint(build_tiny_model(seed, **overrides), CharTokenizer(), path)
+def save_tiny_checkpoint(path: str | os.PathLike, seed: int = 0, chat: bool = False, **overrides) -> Path:
+    """`build_tiny_model(seed, chat, **overrides)` + `CharTokenizer(chat)` written with `save_checkpoint`."""
+    return save_checkpoint(build_tiny_model(seed, chat, **overrides), CharTokenizer(chat), path)

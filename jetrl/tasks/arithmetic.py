@@ -129,10 +129,17 @@ INSTRUCTION = "Compute the result. Reply with the number only."
 """Put before each problem in the verl rows of the task (a chat model needs to be told the format)."""
 
 
+def chat_messages(p: Problem) -> list[dict[str, str]]:
+    """The chat messages of `p` in a verl row (and in ``jetrl warmup --format chat``): one user turn."""
+    from jetrl.tasks.rows import chat_prompt
+
+    return chat_prompt(f"{INSTRUCTION} {p.prompt}")
+
+
 def verl_rows(task: ArithmeticTask, split: str, n: int, *, batch: int = 256) -> list[dict]:
     """`n` problems of the task as verl RL rows (``data_source = DATA_SOURCE``): ``train`` draws the RL
     stream, ``test`` the evaluation stream, `batch` problems per stream index (deterministic)."""
-    from jetrl.tasks.rows import chat_prompt, verl_row
+    from jetrl.tasks.rows import verl_row
 
     streams = {"train": Stream.RL, "test": Stream.EVAL}
     if split not in streams:
@@ -147,7 +154,7 @@ def verl_rows(task: ArithmeticTask, split: str, n: int, *, batch: int = 256) -> 
     return [
         verl_row(
             data_source=DATA_SOURCE,
-            prompt=chat_prompt(f"{INSTRUCTION} {p.prompt}"),
+            prompt=chat_messages(p),
             ability="arithmetic",
             ground_truth=p.answer,
             index=i,

@@ -1,0 +1,228 @@
+"""A real ``python -m jetrl.verl`` run per recipe on this GPU, on Ray: `recipes/tiny-arith-verl.sh` (the tiny
+ChatML Qwen3 after jetrl's warm-up, GRPO on the arithmetic task as verl parquet, actor and rollout colocated:
+FSDP2 world size 1, vLLM TP 1), same seed for every recipe, each in its own process.
+
+    python scripts/bench_verl.py --out scripts/results/verl-nvidia-h200.json   # jetrl-unified, naive, bf16
+    python scripts/bench_verl.py --recipes jetrl-unified --steps 2 --out /tmp/v.json -- trainer.test_freq=-1
+
+Per step it keeps, from verl's file logger (``trainer.logger`` gains ``file``): the reward
+(``critic/score/mean``), jetrl's ``mismatch/*`` and ``sync/*`` (digest counts, ``sync/digests_equal``), verl's
+``training/rollout_probs_diff_*`` and the step time split rollout (``timing_s/gen``) / old-logp
+(``timing_s/old_log_prob``) / update (``timing_s/update_actor``) / sync (``timing_s/update_weights``); every
+other numeric metric of the step is kept under ``metrics``. A recipe whose run fails is recorded with its exit
+code and the tail of its log (the other recipes still run); the exit code is then 1. Prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import benchmeta
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE_SCRIPT = ROOT / "recipes" / "tiny-arith-verl.sh"
+RECIPES = ("jetrl-unified", "naive-fp8-rollout", "bf16")
+PHASES = {
+    "rollout": "timing_s/gen",
+    "old_logp": "timing_s/old_log_prob",
+    "update": "timing_s/update_actor",
+    "sync": "timing_s/update_weights",
+    "step": "timing_s/step",
+}
+"""Step-time split: our name -> verl 0.9.1's timer (V1 trainer)."""
+STEP_KEYS = (
+    "critic/score/mean",
+    "mismatch/logp_abs_diff_mean",
+    "mismatch/logp_abs_diff_max",
+    "mismatch/is_ratio_mean",
+    "mismatch/is_ratio_max",
+    "mismatch/tokens",
+    "training/rollout_probs_diff_mean",
+    "training/rollout_probs_diff_max",
+    "sync/bytes",
+    "sync/seconds",
+    "sync/install_seconds",
+    "sync/arrival_digests",
+    "sync/digests",
+    "sync/digests_equal",
+)
+LOG_TAIL = 80
+"""Lines of a failed run's log kept in the JSON."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="result JSON (its folder gets <recipe>.log / .jsonl)")
+    p.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated, from {RECIPES}")
+    p.add_argument("--steps", type=int, default=5, help="GRPO steps per recipe (default 5)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--commit", help="git commit of the tree (recorded; default: git rev-parse HEAD)")
+    p.add_argument("overrides", nargs="*", help="hydra overrides forwarded to every run (after --)")
+    args = p.parse_args(argv)
+    args.recipes = [r for r in args.recipes.split(",") if r]
+    bad = [r for r in args.recipes if r not in RECIPES]
+    if bad or not args.recipes:
+        p.error(f"--recipes: unknown {bad}; choose from {RECIPES}")
+    if args.steps <= 0:
+        p.error(f"--steps must be > 0, got {args.steps}")
+    return args
+
+
+def read_steps(jsonl: Path) -> list[dict]:
+    """verl's file-logger lines ``{"step": int, "data": {metric: value}}`` -> one dict per training step (a
+    validation-only line before training, step 0, is kept under its step number too)."""
+    rows: dict[int, dict] = {}
+    for i, line in enumerate(jsonl.read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            step, data = int(rec["step"]), rec["data"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{jsonl}:{i + 1}: not a verl file-logger line ({e}): {line[:200]}") from e
+        rows.setdefault(step, {}).update({k: v for k, v in data.items() if isinstance(v, int | float)})
+    return [{"step": s, "metrics": rows[s]} for s in sorted(rows)]
+
+
+def step_record(row: dict) -> dict:
+    m = row["metrics"]
+    rec = {"step": row["step"], **{k: m[k] for k in STEP_KEYS if k in m}}
+    rec["time_s"] = {phase: m[key] for phase, key in PHASES.items() if key in m}
+    val = {k: v for k, v in m.items() if k.startswith("val-core/")}
+    if val:
+        rec["val"] = val
+    return rec
+
+
+def summarize(steps: list[dict]) -> dict:
+    train = [s for s in steps if "critic/score/mean" in s]
+
+    def col(key):
+        return [s[key] for s in train if key in s]
+
+    def med(phase):
+        vals = [s["time_s"][phase] for s in train if phase in s["time_s"]]
+        return statistics.median(vals) if vals else None
+
+    out = {
+        "steps": len(train),
+        "reward_first": train[0]["critic/score/mean"] if train else None,
+        "reward_last": train[-1]["critic/score/mean"] if train else None,
+        "median_time_s": {p: med(p) for p in PHASES},
+    }
+    for key in ("mismatch/logp_abs_diff_mean", "mismatch/is_ratio_mean", "training/rollout_probs_diff_mean"):
+        v = col(key)
+        out[key + " (mean over steps)"] = statistics.fmean(v) if v else None
+    for key in ("mismatch/logp_abs_diff_max", "mismatch/is_ratio_max"):
+        v = col(key)
+        out[key + " (max over steps)"] = max(v) if v else None
+    eq = col("sync/digests_equal")
+    out["syncs_digest_checked"] = len(eq)
+    out["digests_equal_every_sync"] = bool(eq) and all(v == 1.0 for v in eq)
+    out["digests_compared_total"] = sum(col("sync/digests")) + sum(col("sync/arrival_digests"))
+    vals = [v for s in steps for k, v in s.get("val", {}).items() if k.endswith("/mean@1")]
+    out["val_reward"] = vals
+    return out
+
+
+def run_recipe(args, recipe: str, logdir: Path) -> dict:
+    jsonl, log = logdir / f"{recipe}.jsonl", logdir / f"{recipe}.log"
+    jsonl.unlink(missing_ok=True)
+    argv = [
+        "bash",
+        str(RECIPE_SCRIPT),
+        'trainer.logger=["console","file"]',
+        "++ray_kwargs.ray_init.include_dashboard=False",
+        f"++ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={jsonl}",
+        *args.overrides,
+    ]
+    env = {
+        **os.environ,
+        "RECIPE": recipe,
+        "STEPS": str(args.steps),
+        "SEED": str(args.seed),
+        "PYTHON": sys.executable,
+        "VERL_FILE_LOGGER_PATH": str(jsonl),
+    }
+    shown_env = {k: env[k] for k in ("RECIPE", "STEPS", "SEED")}
+    command = " ".join(f"{k}={v}" for k, v in shown_env.items()) + " " + shlex.join(argv)
+    print(f"== {recipe}: {command}", flush=True)
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        rc = subprocess.run(argv, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
+    wall = time.perf_counter() - t0
+    res: dict = {"recipe": recipe, "command": command, "returncode": rc, "wall_s": round(wall, 1)}
+    steps = [step_record(r) for r in read_steps(jsonl)] if jsonl.exists() else []
+    res["steps"] = steps
+    res["summary"] = summarize(steps)
+    res["metrics"] = read_steps(jsonl) if jsonl.exists() else []
+    if rc != 0 or res["summary"]["steps"] < args.steps:
+        res["error"] = f"exit code {rc}, {res['summary']['steps']} of {args.steps} steps logged"
+        res["log_tail"] = log.read_text(errors="replace").splitlines()[-LOG_TAIL:]
+    return res
+
+
+def _fmt(v, spec=".3g") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def table(result: dict) -> str:
+    head = (
+        f"{'recipe':<19}{'steps':>6}{'reward 1st->last':>18}{'mean|dlogp|':>13}{'max|dlogp|':>12}"
+        f"{'IS max':>8}{'digests ok':>11}{'rollout/logp/update/sync s (median)':>38}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in result["runs"]:
+        s = r["summary"]
+        t = s["median_time_s"]
+        split = "/".join(_fmt(t.get(p), ".2f") for p in ("rollout", "old_logp", "update", "sync"))
+        ok = f"{s['syncs_digest_checked']}/{s['steps']}" if s["syncs_digest_checked"] else "n/a"
+        reward = _fmt(s["reward_first"], ".3f") + "->" + _fmt(s["reward_last"], ".3f")
+        lines.append(
+            f"{r['recipe']:<19}{s['steps']:>6}{reward:>18}"
+            f"{_fmt(s['mismatch/logp_abs_diff_mean (mean over steps)']):>13}"
+            f"{_fmt(s['mismatch/logp_abs_diff_max (max over steps)']):>12}"
+            f"{_fmt(s['mismatch/is_ratio_max (max over steps)']):>8}{ok:>11}{split:>38}"
+            + (f"   FAILED: {r['error']}" if "error" in r else "")
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    logdir = args.out.parent / (args.out.stem + "-logs")
+    logdir.mkdir(exist_ok=True)
+    result = {
+        **benchmeta.meta(args.commit, extra_versions=("verl", "ray")),
+        "what": "python -m jetrl.verl on Ray, recipes/tiny-arith-verl.sh per recipe (GRPO, arithmetic task, "
+        "tiny ChatML Qwen3 after jetrl warmup), FSDP2 world size 1 + vLLM TP 1 colocated on one GPU",
+        "steps_per_recipe": args.steps,
+        "seed": args.seed,
+        "runs": [],
+    }
+    for recipe in args.recipes:
+        result["runs"].append(run_recipe(args, recipe, logdir))
+        args.out.write_text(json.dumps(result, indent=1))
+    runs = {r["recipe"]: r["summary"] for r in result["runs"]}
+    key = "mismatch/logp_abs_diff_mean (mean over steps)"
+    if runs.get("jetrl-unified", {}).get(key) and runs.get("naive-fp8-rollout", {}).get(key):
+        result["unified_over_naive_mean_dlogp"] = runs["jetrl-unified"][key] / runs["naive-fp8-rollout"][key]
+    args.out.write_text(json.dumps(result, indent=1))
+    print(table(result))
+    if "unified_over_naive_mean_dlogp" in result:
+        print(f"unified / naive mean |dlogp|: {result['unified_over_naive_mean_dlogp']:.3g}")
+    print(f"wrote {args.out} (logs in {logdir})")
+    return 1 if any("error" in r for r in result["runs"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

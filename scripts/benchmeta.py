@@ -1,0 +1,58 @@
+"""What every ``scripts/results/*.json`` records about where and from what it was made (imported by the
+``scripts/bench_*.py`` run as scripts: this folder is then first on ``sys.path``)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+__all__ = ["versions", "device_name", "commit", "meta"]
+
+
+def versions(extra: tuple[str, ...] = ()) -> dict:
+    """Python, torch + CUDA and the versions of vLLM, Triton, transformers and `extra` modules (an import
+    error is recorded as such, not hidden)."""
+    import torch
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    for mod in ("vllm", "triton", "transformers", *extra):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception as e:  # recorded, not hidden
+            out[mod] = f"unavailable: {type(e).__name__}"
+    return out
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return f"CPU {platform.processor() or platform.machine()} x{os.cpu_count()}"
+
+
+def commit(given: str | None = None) -> str:
+    """`given`, else ``git rev-parse HEAD`` of this checkout (the device machine has no git: pass it)."""
+    if given:
+        return given
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (no git checkout; pass --commit)"
+
+
+def meta(given_commit: str | None = None, extra_versions: tuple[str, ...] = ()) -> dict:
+    """``{"device", "versions", "date", "commit", "command"}`` of this run."""
+    return {
+        "device": device_name(),
+        "versions": versions(extra_versions),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": commit(given_commit),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+    }
