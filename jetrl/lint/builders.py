@@ -37,16 +37,22 @@ class LintEnvError(RuntimeError):
 
 
 def probe_ids(model_path: str | Path, length: int = 40, seed: int = 0) -> list[int]:
-    """A deterministic probe prompt: BOS (if the config has one) then `length` ids drawn uniformly
-    from the non-special vocabulary (ids above the config's pad/bos/eos ids)."""
-    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    """A deterministic probe prompt: BOS (if the config has one) then `length` ids drawn uniformly from the
+    non-special vocabulary (every id below ``vocab_size`` but the config's pad/bos/eos ids and the special
+    added tokens of the checkpoint's ``tokenizer.json``, if it has one)."""
+    path = Path(model_path)
+    cfg = json.loads((path / "config.json").read_text())
     vocab = int(cfg["vocab_size"])
-    specials = [int(cfg[k]) for k in ("pad_token_id", "bos_token_id", "eos_token_id") if cfg.get(k) is not None]
-    lo = max(specials, default=-1) + 1
-    if lo >= vocab:
+    specials = {int(cfg[k]) for k in ("pad_token_id", "bos_token_id", "eos_token_id") if cfg.get(k) is not None}
+    tok_file = path / "tokenizer.json"
+    if tok_file.is_file():
+        added = json.loads(tok_file.read_text()).get("added_tokens") or []
+        specials |= {int(t["id"]) for t in added if t.get("special")}
+    candidates = torch.tensor([i for i in range(vocab) if i not in specials])
+    if not len(candidates):
         raise LintEnvError(f"{model_path}: no non-special token ids below vocab_size={vocab}")
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(lo, vocab, (length,), generator=g).tolist()
+    ids = candidates[torch.randint(0, len(candidates), (length,), generator=g)].tolist()
     bos = cfg.get("bos_token_id")
     return ([int(bos)] if bos is not None else []) + ids
 
