@@ -65,6 +65,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="GRPO steps per recipe (default 5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--commit", help="git commit of the tree (recorded; default: git rev-parse HEAD)")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="run nothing: combine the runs of these result files (later files win per recipe) into --out, e.g. "
+        "recipes run in separate device calls",
+    )
     p.add_argument("overrides", nargs="*", help="hydra overrides forwarded to every run (after --)")
     args = p.parse_args(argv)
     args.recipes = [r for r in args.recipes.split(",") if r]
@@ -142,6 +150,8 @@ def run_recipe(args, recipe: str, logdir: Path) -> dict:
         'trainer.logger=["console","file"]',
         "++ray_kwargs.ray_init.include_dashboard=False",
         f"++ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={jsonl}",
+        # the baseline is off-policy by construction: the lint reports it (kept in the log) and the run goes on
+        *(["jetrl.proceed_on_lint_violation=true"] if recipe == "naive-fp8-rollout" else []),
         *args.overrides,
     ]
     env = {
@@ -196,9 +206,39 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def merge(paths: list[Path]) -> dict:
+    """One result from several (each run keeps its own ``meta`` of where and from what commit it ran)."""
+    runs: dict[str, dict] = {}
+    result: dict = {}
+    for path in paths:
+        part = json.loads(path.read_text())
+        result = {**part, "runs": []}
+        for r in part["runs"]:
+            runs[r["recipe"]] = {**r, "meta": r.get("meta") or {k: part[k] for k in ("device", "versions", "date", "commit")}}
+    result["runs"] = [runs[r] for r in RECIPES if r in runs]
+    result["merged_from"] = [str(p) for p in paths]
+    return result
+
+
+def finish(result: dict, out: Path) -> None:
+    runs = {r["recipe"]: r["summary"] for r in result["runs"]}
+    key = "mismatch/logp_abs_diff_mean (mean over steps)"
+    if runs.get("jetrl-unified", {}).get(key) and runs.get("naive-fp8-rollout", {}).get(key):
+        result["unified_over_naive_mean_dlogp"] = runs["jetrl-unified"][key] / runs["naive-fp8-rollout"][key]
+    out.write_text(json.dumps(result, indent=1))
+    print(table(result))
+    if "unified_over_naive_mean_dlogp" in result:
+        print(f"unified / naive mean |dlogp|: {result['unified_over_naive_mean_dlogp']:.3g}")
+    print(f"wrote {out}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        result = merge(args.merge)
+        finish(result, args.out)
+        return 1 if any("error" in r for r in result["runs"]) else 0
     logdir = args.out.parent / (args.out.stem + "-logs")
     logdir.mkdir(exist_ok=True)
     result = {
@@ -212,15 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     for recipe in args.recipes:
         result["runs"].append(run_recipe(args, recipe, logdir))
         args.out.write_text(json.dumps(result, indent=1))
-    runs = {r["recipe"]: r["summary"] for r in result["runs"]}
-    key = "mismatch/logp_abs_diff_mean (mean over steps)"
-    if runs.get("jetrl-unified", {}).get(key) and runs.get("naive-fp8-rollout", {}).get(key):
-        result["unified_over_naive_mean_dlogp"] = runs["jetrl-unified"][key] / runs["naive-fp8-rollout"][key]
-    args.out.write_text(json.dumps(result, indent=1))
-    print(table(result))
-    if "unified_over_naive_mean_dlogp" in result:
-        print(f"unified / naive mean |dlogp|: {result['unified_over_naive_mean_dlogp']:.3g}")
-    print(f"wrote {args.out} (logs in {logdir})")
+    finish(result, args.out)
+    print(f"logs in {logdir}")
     return 1 if any("error" in r for r in result["runs"]) else 0
 
 

@@ -9,5 +9,11 @@
 - `jetrl.verl.trainer`: verl's V1 task runner and trainers with those metrics in each step's log.
 - ``python -m jetrl.verl``: verl's ``ppo_trainer`` config plus the ``jetrl:`` section.
 
-Importing this package imports nothing from verl.
+Importing this package imports ``verl`` (the package only, first): verl's ``__init__`` imports the modules of
+``VERL_USE_EXTERNAL_MODULES`` (`jetrl.verl.plugin` in jetrl's Ray workers), and the plugin needs
+`jetrl.verl.adapter` complete. Were the adapter a process's first verl import (Ray unpickling the task runner,
+vLLM loading the worker extension by name), the plugin would run in the middle of the adapter's own
+``import verl`` and find none of its names; importing verl here, before any jetrl.verl module, rules that out.
 """
+
+import verl  # noqa: F401  (see above: before any jetrl.verl module)
