@@ -214,7 +214,8 @@ def merge(paths: list[Path]) -> dict:
         part = json.loads(path.read_text())
         result = {**part, "runs": []}
         for r in part["runs"]:
-            runs[r["recipe"]] = {**r, "meta": r.get("meta") or {k: part[k] for k in ("device", "versions", "date", "commit")}}
+            meta = r.get("meta") or {k: part[k] for k in ("device", "versions", "date", "commit")}
+            runs[r["recipe"]] = {**r, "meta": meta}
     result["runs"] = [runs[r] for r in RECIPES if r in runs]
     result["merged_from"] = [str(p) for p in paths]
     return result
