@@ -173,11 +173,19 @@ def _name(r: Recipe | str) -> str:
     return r if isinstance(r, str) else r.name
 
 
+LINT_KV_CACHE_BYTES = 256 << 20
+"""KV cache of the lint's own engine (one probe prefill), unless `engine_kwargs` size it: vLLM's default
+gpu_memory_utilization (0.9) would hold ~126 GB of an H200 in the lint's process, which ``python -m jetrl.verl``
+runs just before verl starts its own engines on the same GPU."""
+
+
 def _start_engine(model_path: Path, recipe: Recipe, backend: str, max_model_len: int, kw: dict[str, Any]):
     try:
         from jetrl.rollout.adapter import create_engine
     except ImportError as e:
         raise LintEnvError(f"--rollout jetrl-vllm needs vLLM and jetrl.rollout.adapter: {e}") from e
+    if "gpu_memory_utilization" not in kw and "kv_cache_memory_bytes" not in kw:
+        kw = {**kw, "kv_cache_memory_bytes": LINT_KV_CACHE_BYTES}
     try:
         return create_engine(model_path, recipe, seed=0, max_model_len=max_model_len, backend=backend, **kw)
     except Exception as e:  # noqa: BLE001 - any engine start failure is an environment error for the CLI

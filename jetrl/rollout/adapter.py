@@ -23,6 +23,7 @@ sampled token, what the trainer's forward computes.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -436,3 +437,8 @@ class Engine:
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
         self.llm = None
+        if self.in_process and torch.cuda.is_available():
+            # an in-process engine's weights and KV cache were this process's: give the caching allocator's
+            # blocks back to the GPU (the next engine on it, e.g. verl's after `jetrl lint`, needs them)
+            gc.collect()
+            torch.cuda.empty_cache()

@@ -165,3 +165,20 @@ def test_capture_refuses_engine_modules_it_does_not_model():
         model(torch.zeros(1, 4))
     with pytest.raises(ValueError, match="1: FusedMoE with quant method object is not modelled"):
         trace_model(model, rec, side="rollout", source="test")
+
+
+def test_lint_engine_gets_a_small_kv_cache_unless_sized(monkeypatch, tmp_path):
+    """The lint's own engine must not take vLLM's default 90% of a GPU: ``python -m jetrl.verl`` lints in the
+    driver right before verl starts its engines on the same GPU (on the H200 verl's vLLM then found 8.8 of
+    139.8 GiB free and refused to start)."""
+    import jetrl.rollout.adapter as adapter
+    from jetrl.lint import api
+
+    seen = []
+    monkeypatch.setattr(adapter, "create_engine", lambda path, recipe, **kw: seen.append(kw) or "engine")
+    recipe = Recipe.from_name("jetrl-unified")
+    assert api._start_engine(tmp_path, recipe, "auto", 64, {}) == "engine"
+    assert seen[-1]["kv_cache_memory_bytes"] == api.LINT_KV_CACHE_BYTES
+    assert "gpu_memory_utilization" not in seen[-1]
+    api._start_engine(tmp_path, recipe, "auto", 64, {"gpu_memory_utilization": 0.5})
+    assert seen[-1]["gpu_memory_utilization"] == 0.5 and "kv_cache_memory_bytes" not in seen[-1]
