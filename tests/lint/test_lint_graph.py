@@ -7,7 +7,7 @@ import pytest
 from jetrl.lint.check import check
 from jetrl.lint.ir import BF16, FP8, Graph, GraphError, OpKind, Precision, linear_site, node_id
 from jetrl.lint.normalize import normalize
-from jetrl.recipe import Division, Granularity, QuantSpec, ScaleFormat
+from jetrl.recipe import Division, Granularity, QuantSpec, Recipe, ScaleFormat
 
 ACT = Precision(FP8, QuantSpec(Granularity.G1x128), "jetrl::quantize_1x128")
 WGT = Precision(FP8, QuantSpec(Granularity.G128x128), "checkpoint")
