@@ -42,6 +42,7 @@ __all__ = [
     "VOCAB_PARALLEL",
     "TPShapeError",
     "TPLayout",
+    "TPRank",
     "tp_dims",
     "tp_slice",
     "tp_slice_payload",
@@ -94,6 +95,23 @@ class TPLayout:
             "num_key_value_heads*head_dim (k_proj/v_proj N)": self.num_key_value_heads * self.head_dim,
             "intermediate_size (gate_proj/up_proj N, down_proj K)": self.intermediate_size,
         }
+
+
+@dataclass(frozen=True)
+class TPRank:
+    """One worker of a tensor-parallel engine (`jetrl.rollout.adapter.model_tensor_parallel` reads it)."""
+
+    size: int
+    rank: int
+    layout: TPLayout
+    vocab_padding: int
+    """vLLM pads the vocabulary to a multiple of this before splitting it (``DEFAULT_VOCAB_PADDING_SIZE``)."""
+
+    def slice_payload(self, payload: dict) -> dict:
+        """`tp_slice_payload` for this worker (the payload itself when the engine is not tensor parallel)."""
+        if self.size == 1:
+            return payload
+        return tp_slice_payload(payload, self.size, self.rank, self.layout, vocab_padding=self.vocab_padding)
 
 
 def tp_dims(layout: TPLayout, tp_size: int, *, block: int | None = BLOCK) -> dict[str, int]:
