@@ -171,8 +171,9 @@ def apply_recipe(cfg: DictConfig) -> dict[str, str]:
         "JETRL_RECIPE": recipe.name,
         "VERL_USE_EXTERNAL_MODULES": ",".join(modules + [PLUGIN_MODULE] if PLUGIN_MODULE not in modules else modules),
     }
-    if os.environ.get("JETRL_GEMM_BACKEND"):
-        wanted["JETRL_GEMM_BACKEND"] = os.environ["JETRL_GEMM_BACKEND"]
+    for key in ("JETRL_GEMM_BACKEND", "JETRL_FP8_EXPORT"):  # jetrl.verl.engine reads them in the workers
+        if os.environ.get(key):
+            wanted[key] = os.environ[key]
     for k, v in wanted.items():
         if k in ("VERL_ENGINE_VENDOR", "JETRL_RECIPE") and env.get(k) not in (None, v):
             raise ConfigError(f"ray_kwargs.ray_init.runtime_env.env_vars.{k}={env.get(k)!r}: jetrl-unified needs {v!r}")
@@ -266,9 +267,22 @@ def check_parallelism(cfg: DictConfig) -> dict[str, int]:
             f"checks the model's tensor-parallel split ({tp_key}) before starting (download the model to a local dir)"
         )
     try:
-        return tp_dims(TPLayout.from_hf_config(_hf_config(cfg_file)), r.tensor_model_parallel_size)
+        layout = TPLayout.from_hf_config(_hf_config(cfg_file))
+        dims = tp_dims(layout, r.tensor_model_parallel_size)
     except TPShapeError as e:
         raise ConfigError(f"{tp_key} with jetrl.recipe={recipe.name} ({cfg_file}): {e}") from e
+    if recipe.weight_sync == "fp8-bytes" and os.environ.get("JETRL_FP8_EXPORT") == "shard":
+        # jetrl.verl.engine.fp8_export_shards: FSDP2's Shard(0) chunks (torch.chunk) must be whole 128-row blocks
+        fsdp_size = arr.actor.fsdp_config.get("fsdp_size", -1)
+        world = n_gpus if fsdp_size in (-1, None) else fsdp_size
+        n_dims = {**layout.full_dims(), "hidden_size (o_proj/down_proj N)": layout.hidden_size}
+        for name, n in n_dims.items():
+            if -(-n // world) % BLOCK:
+                raise ConfigError(
+                    f"JETRL_FP8_EXPORT=shard: {name}={n} in FSDP shards of {-(-n // world)} rows over {world} GPUs, "
+                    f"not whole {BLOCK}-row blocks; unset it (the default export quantizes after the gather)"
+                )
+    return dims
 
 
 def validate(cfg: DictConfig) -> dict[str, str]:

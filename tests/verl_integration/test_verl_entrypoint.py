@@ -17,6 +17,7 @@ from jetrl.testing.subprocess_guard import HANG_GUARD_S  # noqa: E402
 from jetrl.tiny import save_tiny_checkpoint  # noqa: E402
 from jetrl.verl.launch import (  # noqa: E402
     ConfigError,
+    apply_recipe,
     check_model_shapes,
     check_parallelism,
     compose,
@@ -185,6 +186,18 @@ def test_the_gpu_layout_is_checked_naming_the_key(extra, gpus, named):
     else:
         with pytest.raises(ConfigError, match=named):
             check_parallelism(cfg)
+
+
+def test_per_shard_export_needs_fsdp_shards_on_128_rows(monkeypatch):
+    monkeypatch.setenv("JETRL_FP8_EXPORT", "shard")
+    cfg = _parallel(MODELS / "llama3.1-8b", 2)  # 8 GPUs: every N / 8 is whole 128-row blocks
+    check_parallelism(cfg)
+    apply_recipe(cfg)
+    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.JETRL_FP8_EXPORT == "shard"  # reaches the workers
+    with pytest.raises(ConfigError, match=r"JETRL_FP8_EXPORT=shard: num_key_value_heads\*head_dim .*=1024 in FSDP "):
+        check_parallelism(_parallel(MODELS / "llama3.1-8b", 2, "trainer.nnodes=2"))  # 1024 / 16 = 64 rows
+    monkeypatch.delenv("JETRL_FP8_EXPORT")
+    check_parallelism(_parallel(MODELS / "llama3.1-8b", 2, "trainer.nnodes=2"))  # gather after all: no constraint
 
 
 def test_the_lint_refuses_the_off_policy_baseline_unless_told(ckpt, capsys):
