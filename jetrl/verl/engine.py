@@ -37,8 +37,9 @@ The recipe comes from ``JETRL_RECIPE`` (set with the vendor by the entrypoint), 
 ``JETRL_GEMM_BACKEND`` (default ``auto``). LoRA is refused (its adapter stream is not FP8-exported).
 jetrl's ``fp8_param`` storage (`jetrl.fp8_param`) is not used on this path: its fp32 masters live outside
 the module, where FSDP would not shard them; the weights stay verl's fp32 masters and the bytes are
-quantized from their ``param_dtype`` cast, as the forward does. Tested with FSDP2 (CPU, gloo); FSDP1
-shares the code but has not been run.
+quantized from their ``param_dtype`` cast, as the forward does. Tested with FSDP2 (CPU, gloo, 1 and 2
+processes, both export modes); FSDP1 shares the gather code but has not been run, and the per-shard
+export is refused there (its shard stream is not DTensor-placed).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from jetrl.gemm.quantize import quantize_128x128
 from jetrl.linear import invalidate_fp8_caches
 from jetrl.recipe import BLOCK, RECIPE_NAMES, Recipe
 from jetrl.rollout.sync import WeightSyncError, tensor_digest
-from jetrl.verl.adapter import EngineRegistry, FSDPEngineWithLMHead, registered_engine
+from jetrl.verl.adapter import EngineRegistry, FSDPEngineWithLMHead, fsdp_version, registered_engine
 
 __all__ = [
     "VENDOR",
@@ -141,6 +142,8 @@ class JetrlFSDPEngine(FSDPEngineWithLMHead):
         if mode not in EXPORT_MODES:
             raise ValueError(f"{EXPORT_ENV}={mode!r}: choose one of {EXPORT_MODES}")
         if mode == "shard" and self.jetrl_recipe.weight_sync == "fp8-bytes":
+            if fsdp_version(self.module) != 2:
+                raise ValueError(f"{EXPORT_ENV}=shard needs FSDP2 (actor_rollout_ref.actor.strategy=fsdp2)")
             shards, peft_config = super().get_per_tensor_param_shard(**kwargs)
             if peft_config is not None:
                 raise NotImplementedError("jetrl verl engine: LoRA weight streams are not supported")
