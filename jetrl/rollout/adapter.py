@@ -37,6 +37,7 @@ import torch
 
 from jetrl.recipe import Recipe
 from jetrl.rollout.methods import RolloutQuantConfig
+from jetrl.rollout.tp import TPLayout, TPRank
 
 __all__ = [
     "ROLLOUT_MODES",
@@ -48,6 +49,7 @@ __all__ = [
     "layer_mode",
     "model_packed_modules",
     "model_param_info",
+    "model_tensor_parallel",
     "refresh_after_weight_update",
     "stock_vllm_settings",
     "stock_block_fp8_unavailable_reason",
@@ -284,6 +286,41 @@ def create_engine(
     return Engine(llm, r, rollout=rollout, in_process=in_process, start_seconds=time.perf_counter() - t0)
 
 
+# Functions `Engine` runs in every worker: module-level (not lambdas), so that a multi-worker engine
+# (tensor parallel, vLLM's multiprocessing executor) can pickle them to its workers.
+def _reset_nonfinite(_model) -> None:
+    from jetrl.rollout.methods import reset_rollout_nonfinite
+
+    reset_rollout_nonfinite()
+
+
+def _check_nonfinite(_model) -> None:
+    from jetrl.rollout.methods import check_rollout_nonfinite
+
+    check_rollout_nonfinite()
+
+
+def _attention_isas(model) -> set[str]:
+    return {m.isa for m in model.modules() if isinstance(getattr(m, "isa", None), str)}
+
+
+def model_tensor_parallel(model) -> TPRank:
+    """This worker's place in a tensor-parallel engine (run inside the engine): TP size and rank from vLLM's
+    parallel state, the split-relevant facts of the model's HF config, and vLLM's vocab padding."""
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+    from vllm.model_executor.layers.vocab_parallel_embedding import DEFAULT_VOCAB_PADDING_SIZE
+
+    hf = getattr(model, "config", None)
+    if hf is None or not hasattr(hf, "to_dict"):
+        raise RuntimeError(f"{type(model).__name__}: vLLM model without an HF `config`; cannot plan its TP split")
+    return TPRank(
+        get_tensor_model_parallel_world_size(),
+        get_tensor_model_parallel_rank(),
+        TPLayout.from_hf_config(hf.to_dict()),
+        DEFAULT_VOCAB_PADDING_SIZE,
+    )
+
+
 class Engine:
     """A started vLLM engine plus what jetrl needs of it. Create with `create_engine`.
 
@@ -299,10 +336,8 @@ class Engine:
         """Wall seconds ``vllm.LLM(...)`` took (model load, quantization, KV cache, warm-up)."""
         self._asleep = False
         if in_process:
-            from jetrl.rollout.methods import reset_rollout_nonfinite
-
             # vLLM's start-up runs (profiling, CUDA-graph capture) compute on dummy data: not the user's inputs
-            self.apply(lambda _model: reset_rollout_nonfinite())
+            self.apply(_reset_nonfinite)
         else:
             _log.warning(
                 "jetrl rollout: engine runs out of process; on CUDA the rollout Linears' non-finite flags live in its "
@@ -365,9 +400,7 @@ class Engine:
         only (an out-of-process engine's flags stay in its workers; `create_engine` warns)."""
         if not self.in_process:
             return  # flags live in the worker processes (warned at creation)
-        from jetrl.rollout.methods import check_rollout_nonfinite
-
-        self.apply(lambda _model: check_rollout_nonfinite())
+        self.apply(_check_nonfinite)
 
     def apply(self, fn: Callable[[Any], Any]) -> list[Any]:
         """Run ``fn(model)`` on the model in every worker (vLLM ``LLM.apply_model``); one result per worker."""
@@ -375,11 +408,7 @@ class Engine:
 
     def cpu_attention_isas(self) -> set[str]:
         """The CPU attention ISA of every attention layer of the live engine (empty on a GPU engine)."""
-
-        def _isas(model) -> set[str]:
-            return {m.isa for m in model.modules() if isinstance(getattr(m, "isa", None), str)}
-
-        return set().union(*self.apply(_isas))
+        return set().union(*self.apply(_attention_isas))
 
     def param_info(self) -> dict[str, ParamInfo]:
         """Every engine parameter's shape, dtype, vocab flag and jetrl mode (from worker 0)."""

@@ -25,12 +25,21 @@ What changes against `FSDPEngineWithLMHead`, and nothing else:
   worker (`jetrl.verl.worker`) compares against what arrived and then against what it installed.
   BF16 recipes stream exactly what verl streams.
 
+  Two ways to get there, chosen by ``JETRL_FP8_EXPORT``. ``gather`` (default): verl's stream, one full
+  tensor gathered at a time (FSDP2 shards each weight along N), quantized after the gather. ``shard``:
+  verl's ``get_per_tensor_param_shard`` (each rank's local rows, in BF16); each rank quantizes its own rows
+  and only the e4m3 bytes and scales are gathered (`fp8_export_shards`: a quarter of an fp32 gather's
+  traffic, the quantization spread over the ranks). The bytes are the same only when every shard boundary
+  falls on a 128-row block (then no block spans two ranks): a weight whose FSDP shard is not a multiple
+  of 128 rows is refused, naming it (every rank refuses at the same tensor, so no collective is left open).
+
 The recipe comes from ``JETRL_RECIPE`` (set with the vendor by the entrypoint), the GEMM backend from
 ``JETRL_GEMM_BACKEND`` (default ``auto``). LoRA is refused (its adapter stream is not FP8-exported).
 jetrl's ``fp8_param`` storage (`jetrl.fp8_param`) is not used on this path: its fp32 masters live outside
 the module, where FSDP would not shard them; the weights stay verl's fp32 masters and the bytes are
-quantized from their ``param_dtype`` cast, as the forward does. Tested with FSDP2 (CPU, gloo); FSDP1
-shares the code but has not been run.
+quantized from their ``param_dtype`` cast, as the forward does. Tested with FSDP2 (CPU, gloo, 1 and 2
+processes, both export modes); FSDP1 shares the gather code but has not been run, and the per-shard
+export is refused there (its shard stream is not DTensor-placed).
 """
 
 from __future__ import annotations
@@ -44,14 +53,16 @@ import torch
 from jetrl.convert import ConversionReport, convert_model
 from jetrl.gemm.quantize import quantize_128x128
 from jetrl.linear import invalidate_fp8_caches
-from jetrl.recipe import RECIPE_NAMES, Recipe
+from jetrl.recipe import BLOCK, RECIPE_NAMES, Recipe
 from jetrl.rollout.sync import WeightSyncError, tensor_digest
-from jetrl.verl.adapter import EngineRegistry, FSDPEngineWithLMHead, registered_engine
+from jetrl.verl.adapter import EngineRegistry, FSDPEngineWithLMHead, fsdp_version, registered_engine
 
 __all__ = [
     "VENDOR",
     "RECIPE_ENV",
     "BACKEND_ENV",
+    "EXPORT_ENV",
+    "EXPORT_MODES",
     "DIGEST_SUFFIX",
     "SCALE_SUFFIX",
     "JetrlFSDPEngine",
@@ -59,6 +70,7 @@ __all__ = [
     "register_engine",
     "encode_digest",
     "fp8_export_stream",
+    "fp8_export_shards",
     "decode_digest",
 ]
 
@@ -66,6 +78,9 @@ VENDOR = "jetrl"
 """verl engine vendor key of `JetrlFSDPEngine` (``VERL_ENGINE_VENDOR=jetrl`` selects it)."""
 RECIPE_ENV = "JETRL_RECIPE"
 BACKEND_ENV = "JETRL_GEMM_BACKEND"
+EXPORT_ENV = "JETRL_FP8_EXPORT"
+EXPORT_MODES = ("gather", "shard")
+"""``JETRL_FP8_EXPORT``: quantize after gathering each full weight (default) or per FSDP shard (module docstring)."""
 DIGEST_SUFFIX = ":jetrl_digest"
 """Suffix of the stream entries carrying the trainer-side digest of the entry before them."""
 SCALE_SUFFIX = "weight_scale_inv"
@@ -123,6 +138,16 @@ class JetrlFSDPEngine(FSDPEngineWithLMHead):
         return {f"{n}.weight" for n in self.jetrl_conversion.converted_names()}
 
     def get_per_tensor_param(self, layered_summon=False, base_sync_done=False, **kwargs):
+        mode = os.environ.get(EXPORT_ENV) or "gather"
+        if mode not in EXPORT_MODES:
+            raise ValueError(f"{EXPORT_ENV}={mode!r}: choose one of {EXPORT_MODES}")
+        if mode == "shard" and self.jetrl_recipe.weight_sync == "fp8-bytes":
+            if fsdp_version(self.module) != 2:
+                raise ValueError(f"{EXPORT_ENV}=shard needs FSDP2 (actor_rollout_ref.actor.strategy=fsdp2)")
+            shards, peft_config = super().get_per_tensor_param_shard(**kwargs)
+            if peft_config is not None:
+                raise NotImplementedError("jetrl verl engine: LoRA weight streams are not supported")
+            return self._fp8_stream(fp8_export_shards, shards), None
         stream, peft_config = super().get_per_tensor_param(
             layered_summon=layered_summon, base_sync_done=base_sync_done, **kwargs
         )
@@ -130,13 +155,11 @@ class JetrlFSDPEngine(FSDPEngineWithLMHead):
             raise NotImplementedError("jetrl verl engine: LoRA weight streams are not supported")
         if self.jetrl_recipe.weight_sync != "fp8-bytes":
             return stream, None
-        return self._fp8_stream(stream), None
+        return self._fp8_stream(fp8_export_stream, stream), None
 
-    def _fp8_stream(self, stream) -> Iterator[tuple[str, torch.Tensor]]:
+    def _fp8_stream(self, export, stream) -> Iterator[tuple[str, torch.Tensor]]:
         stats: dict = {}
-        yield from fp8_export_stream(
-            stream, self._fp8_weight_names(), getattr(self, "_autocast_dtype", torch.bfloat16), stats
-        )
+        yield from export(stream, self._fp8_weight_names(), getattr(self, "_autocast_dtype", torch.bfloat16), stats)
         self.jetrl_last_export = stats
 
 
@@ -144,7 +167,8 @@ def fp8_export_stream(
     stream, fp8_names: set[str], param_dtype: torch.dtype, stats: dict | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """verl's ``(HF name, full tensor)`` stream -> jetrl's: each weight in `fp8_names` as e4m3 bytes plus
-    ``weight_scale_inv`` (quantized from its `param_dtype` cast, as the forward does), every other tensor
+    ``weight_scale_inv`` (quantized from its `param_dtype` cast, as the forward does, unless it arrives as
+    ``(q, s)`` already, from `fp8_export_shards`), every other tensor
     in BF16, each followed by its ``:jetrl_digest`` entry. Fills `stats` (bytes, counts, seconds) once the
     stream is exhausted; raises `WeightSyncError` if a weight of `fp8_names` never came."""
     seen: set[str] = set()
@@ -161,8 +185,10 @@ def fp8_export_stream(
     for name, t in stream:
         if name in fp8_names:
             seen.add(name)
-            # the forward's input: FSDP casts the fp32 shard to param_dtype before the all-gather
-            q, s = quantize_128x128(t.detach().to(param_dtype), name=name)
+            if isinstance(t, tuple):  # quantized already, per shard (`fp8_export_shards`)
+                q, s = t
+            else:  # the forward's input: FSDP casts the fp32 shard to param_dtype before the all-gather
+                q, s = quantize_128x128(t.detach().to(param_dtype), name=name)
             acc["n_fp8"] += 1
             yield from emit(name, q)
             yield from emit(name[: -len("weight")] + SCALE_SUFFIX, s)
@@ -177,6 +203,65 @@ def fp8_export_stream(
     acc["seconds"] = time.perf_counter() - t0
     if stats is not None:
         stats.update(acc)
+
+
+def _full(local: torch.Tensor, spec, shape: tuple[int, ...]) -> torch.Tensor:
+    """The full tensor of a rank's `local` part laid out as `spec` (verl's ``ShardSpec``) says; `shape` is the
+    full tensor's (the scale grid's for scales)."""
+    if spec.mesh is None:
+        return local.reshape(shape)
+    from torch.distributed.tensor import DTensor
+
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, spec.mesh, spec.placements, shape=torch.Size(shape), stride=stride).full_tensor()
+
+
+def _shard_rows(name: str, spec) -> int:
+    """Rows per FSDP shard of a weight sharded along N (the full N when it is not sharded)."""
+    n = spec.full_shape[0]
+    if spec.mesh is None:
+        return n
+    sharded = [(i, p) for i, p in enumerate(spec.placements) if p.is_shard()]
+    if any(p.dim != 0 for _, p in sharded) or len(sharded) > 1:
+        raise WeightSyncError(f"{name}: placements {tuple(spec.placements)}; per-shard FP8 export needs one Shard(0)")
+    if not sharded:
+        return n
+    world = spec.mesh.size(sharded[0][0])
+    return -(-n // world)  # torch.chunk's split, which FSDP2 uses
+
+
+def fp8_export_shards(
+    shards, fp8_names: set[str], param_dtype: torch.dtype, stats: dict | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """verl's ``get_per_tensor_param_shard`` stream ``(HF name, this rank's flat BF16 shard, ShardSpec)`` ->
+    the same ``(name, tensor)`` stream as `fp8_export_stream`: each weight of `fp8_names` quantized on its own
+    rows, then its e4m3 bytes and scales gathered (every rank gets the full tensors, as verl sends them);
+    everything else gathered in BF16. `WeightSyncError` names a weight whose shards do not fall on 128-row
+    blocks (its bytes would differ from the unsharded weight's), and any weight of `fp8_names` that never came."""
+    if param_dtype != torch.bfloat16:
+        raise WeightSyncError(
+            f"per-shard FP8 export: verl's shard stream is BF16 but the forward runs {param_dtype}; use "
+            f"{EXPORT_ENV}=gather"
+        )
+
+    def full_tensors():
+        for name, flat, spec in shards:
+            shape = tuple(spec.full_shape)
+            local = flat.reshape(-1, *shape[1:]) if len(shape) > 1 else flat
+            if name not in fp8_names:
+                yield name, _full(local, spec, shape)
+                continue
+            rows = _shard_rows(name, spec)
+            if rows % BLOCK and rows != shape[0]:
+                raise WeightSyncError(
+                    f"{name}: N={shape[0]} is sharded into {rows}-row FSDP shards, not on {BLOCK}-row blocks, so a "
+                    f"128x128 block would span two ranks; per-shard FP8 export refused (use {EXPORT_ENV}=gather)"
+                )
+            q, s = quantize_128x128(local.detach().to(param_dtype), name=name)
+            grid = (-(-shape[0] // BLOCK), -(-shape[1] // BLOCK))
+            yield name, (_full(q.view(torch.uint8), spec, shape).view(torch.float8_e4m3fn), _full(s, spec, grid))
+
+    yield from fp8_export_stream(full_tensors(), fp8_names, param_dtype, stats)
 
 
 def register_engine() -> None:

@@ -15,9 +15,13 @@ key a user sets is ``jetrl.recipe``; `apply_recipe` turns it into verl settings:
 
 `validate` runs verl's own ``validate_config`` (batch sizes divide, micro-batch settings), checks the
 ``jetrl:`` section, and, for FP8 training, that every projection of the model at
-``actor_rollout_ref.model.path`` (its config.json) suits the 128x128 recipe. A dry run stops there and
-prints the config. Otherwise `lint_gate` runs ``jetrl lint`` for the recipe and refuses to start on a
-violation unless ``jetrl.proceed_on_lint_violation=true``; then verl's ``run_ppo`` starts Ray with
+``actor_rollout_ref.model.path`` (its config.json) suits the 128x128 recipe; then `check_parallelism`: the
+GPU counts (``trainer.n_gpus_per_node`` x ``trainer.nnodes``) hold whole rollout replicas (TP x DP x PP) and
+whole FSDP / Ulysses groups, and, for the FP8 recipes, rollout TP x 128 divides every TP-split dimension
+(`jetrl.rollout.tp.tp_dims`: q and kv heads x head_dim, the intermediate size), so no rank's slice cuts a
+128x128 weight block. All of it runs before Ray starts. A dry run stops there and prints the config.
+Otherwise `lint_gate` runs ``jetrl lint`` for the recipe and refuses to start on a violation unless
+``jetrl.proceed_on_lint_violation=true``; then verl's ``run_ppo`` starts Ray with
 `jetrl.verl.trainer.JetrlTaskRunner` (verl's V1 task runner adding jetrl's per-step metrics; so
 ``trainer.use_v1=false`` and ``rollout.calculate_log_probs=false`` are refused, naming the key).
 """
@@ -42,6 +46,7 @@ __all__ = [
     "ConfigError",
     "apply_recipe",
     "check_model_shapes",
+    "check_parallelism",
     "compose",
     "lint_gate",
     "main",
@@ -166,8 +171,9 @@ def apply_recipe(cfg: DictConfig) -> dict[str, str]:
         "JETRL_RECIPE": recipe.name,
         "VERL_USE_EXTERNAL_MODULES": ",".join(modules + [PLUGIN_MODULE] if PLUGIN_MODULE not in modules else modules),
     }
-    if os.environ.get("JETRL_GEMM_BACKEND"):
-        wanted["JETRL_GEMM_BACKEND"] = os.environ["JETRL_GEMM_BACKEND"]
+    for key in ("JETRL_GEMM_BACKEND", "JETRL_FP8_EXPORT"):  # jetrl.verl.engine reads them in the workers
+        if os.environ.get(key):
+            wanted[key] = os.environ[key]
     for k, v in wanted.items():
         if k in ("VERL_ENGINE_VENDOR", "JETRL_RECIPE") and env.get(k) not in (None, v):
             raise ConfigError(f"ray_kwargs.ray_init.runtime_env.env_vars.{k}={env.get(k)!r}: jetrl-unified needs {v!r}")
@@ -190,8 +196,7 @@ def check_model_shapes(cfg: DictConfig) -> dict[str, int]:
             f"actor_rollout_ref.model.path={str(path)!r}: no config.json there; jetrl.recipe={recipe.name} checks the "
             "model's Linear shapes against the 128x128 recipe before starting (download the model to a local dir)"
         )
-    hf = json.loads(cfg_file.read_text())
-    hf = hf.get("text_config", hf)
+    hf = _hf_config(cfg_file)
     try:
         head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
         dims = {
@@ -212,13 +217,83 @@ def check_model_shapes(cfg: DictConfig) -> dict[str, int]:
     return dims
 
 
+def _hf_config(cfg_file: Path) -> dict:
+    hf = json.loads(cfg_file.read_text())
+    return hf.get("text_config", hf)
+
+
+def check_parallelism(cfg: DictConfig) -> dict[str, int]:
+    """The GPU layout, before Ray starts: ``trainer.n_gpus_per_node * trainer.nnodes`` GPUs hold whole
+    rollout replicas (TP x DP x PP; a replica larger than a node spans whole nodes) and whole FSDP
+    (``fsdp_config.fsdp_size``) and Ulysses groups of the actor and the ref; for the FP8 recipes (jetrl's
+    128x128 rollout, and verl's block-FP8 rollout of ``naive-fp8-rollout``) every TP-split dimension of the
+    model at ``actor_rollout_ref.model.path`` splits into multiples of 128 per rank (`jetrl.rollout.tp.tp_dims`).
+    Returns the per-rank dims checked (empty for ``bf16``); `ConfigError` names the key and the dimension."""
+    from jetrl.rollout.tp import TPLayout, TPShapeError, tp_dims
+
+    recipe = _recipe(cfg)
+    arr, trainer = cfg.actor_rollout_ref, cfg.trainer
+    gpus_key = f"trainer.n_gpus_per_node={trainer.n_gpus_per_node} x trainer.nnodes={trainer.nnodes}"
+    n_gpus = trainer.n_gpus_per_node * trainer.nnodes
+    if trainer.n_gpus_per_node < 1 or trainer.nnodes < 1:
+        raise ConfigError(f"{gpus_key}: both must be >= 1")
+    r = arr.rollout
+    tp_key = f"actor_rollout_ref.rollout.tensor_model_parallel_size={r.tensor_model_parallel_size}"
+    replica = r.tensor_model_parallel_size * r.data_parallel_size * r.pipeline_model_parallel_size
+    if n_gpus % replica or (replica > trainer.n_gpus_per_node and replica % trainer.n_gpus_per_node):
+        raise ConfigError(
+            f"{tp_key} x data_parallel_size={r.data_parallel_size} x pipeline_model_parallel_size="
+            f"{r.pipeline_model_parallel_size} = {replica} GPUs per rollout replica: {gpus_key} = {n_gpus} GPUs do "
+            "not hold whole replicas (a replica larger than a node must span whole nodes)"
+        )
+    for role in ("actor", "ref"):
+        fsdp_size = arr[role].fsdp_config.get("fsdp_size", -1)
+        if fsdp_size not in (-1, None) and (fsdp_size < 1 or n_gpus % fsdp_size):
+            raise ConfigError(
+                f"actor_rollout_ref.{role}.fsdp_config.fsdp_size={fsdp_size}: must be -1 (all GPUs) or divide the "
+                f"FSDP world of {gpus_key} = {n_gpus} GPUs"
+            )
+        sp = arr[role].get("ulysses_sequence_parallel_size", 1) or 1
+        if n_gpus % sp:
+            raise ConfigError(
+                f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size={sp}: does not divide {gpus_key} = {n_gpus}"
+            )
+    if recipe.name == "bf16":
+        return {}
+    cfg_file = Path(str(arr.model.path)) / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(
+            f"actor_rollout_ref.model.path={str(arr.model.path)!r}: no config.json there; jetrl.recipe={recipe.name} "
+            f"checks the model's tensor-parallel split ({tp_key}) before starting (download the model to a local dir)"
+        )
+    try:
+        layout = TPLayout.from_hf_config(_hf_config(cfg_file))
+        dims = tp_dims(layout, r.tensor_model_parallel_size)
+    except TPShapeError as e:
+        raise ConfigError(f"{tp_key} with jetrl.recipe={recipe.name} ({cfg_file}): {e}") from e
+    if recipe.weight_sync == "fp8-bytes" and os.environ.get("JETRL_FP8_EXPORT") == "shard":
+        # jetrl.verl.engine.fp8_export_shards: FSDP2's Shard(0) chunks (torch.chunk) must be whole 128-row blocks
+        fsdp_size = arr.actor.fsdp_config.get("fsdp_size", -1)
+        world = n_gpus if fsdp_size in (-1, None) else fsdp_size
+        n_dims = {**layout.full_dims(), "hidden_size (o_proj/down_proj N)": layout.hidden_size}
+        for name, n in n_dims.items():
+            if -(-n // world) % BLOCK:
+                raise ConfigError(
+                    f"JETRL_FP8_EXPORT=shard: {name}={n} in FSDP shards of {-(-n // world)} rows over {world} GPUs, "
+                    f"not whole {BLOCK}-row blocks; unset it (the default export quantizes after the gather)"
+                )
+    return dims
+
+
 def validate(cfg: DictConfig) -> dict[str, str]:
-    """`apply_recipe`, verl's ``validate_config``, `check_model_shapes`; returns what `apply_recipe` set."""
+    """`apply_recipe`, verl's ``validate_config``, `check_model_shapes`, `check_parallelism`; returns what
+    `apply_recipe` set."""
     from jetrl.verl.adapter import need_critic, need_reference_policy, validate_config
 
     changed = apply_recipe(cfg)
     validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
     check_model_shapes(cfg)
+    check_parallelism(cfg)
     return changed
 
 
@@ -260,7 +335,10 @@ def main(cfg: DictConfig) -> int:
     if cfg.jetrl.dry_run:
         print(OmegaConf.to_yaml(cfg, resolve=False))
         print(f"jetrl.verl dry run: recipe {cfg.jetrl.recipe}; set by the recipe: {json.dumps(changed, indent=1)}")
-        print("jetrl.verl dry run: configuration valid (verl validate_config, jetrl section, model shapes)")
+        print(
+            "jetrl.verl dry run: configuration valid (verl validate_config, jetrl section, model shapes, "
+            "GPU layout and tensor-parallel split)"
+        )
         return 0
     if cfg.jetrl.lint:
         code = lint_gate(cfg)

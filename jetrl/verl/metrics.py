@@ -13,9 +13,10 @@ verl logs ``training/rollout_probs_diff_{max,mean,std}``, which is |p_rollout - 
 And of each weight sync of the ``jetrl-unified`` recipe, from every rollout worker's report
 (`jetrl.verl.worker.JetrlWorkerExtension.jetrl_sync_report`, a `jetrl.rollout.sync.SyncReport` plus counts):
 
-- ``sync/bytes``: payload bytes each rollout worker received and installed (fp8 bytes + scales + BF16
-  tensors; equal on every worker, else an error), ``sync/seconds``: the trainer's wall time of verl's
-  ``update_weights`` (export, transport, install; verl logs the same as ``timing_s/update_weights``),
+- ``sync/bytes``: payload bytes one rollout replica installed (fp8 bytes + scales + BF16 tensors: each
+  worker's, summed over the tensor-parallel ranks of a replica; workers of the same TP rank must agree,
+  else an error), ``sync/tp_ranks``: tensor-parallel ranks reporting, ``sync/seconds``: the trainer's wall
+  time of verl's ``update_weights`` (export, transport, install; verl logs the same as ``timing_s/update_weights``),
   ``sync/install_seconds``: the slowest worker's copy + verification, ``sync/arrival_digests``: tensors
   whose digest was compared on arrival with the trainer's, ``sync/digests``: tensors digest-compared in
   the engine's memory after the copy (both summed over workers), ``sync/digests_equal``: 1.0 (a mismatch
@@ -50,6 +51,7 @@ METRIC_KEYS = (
     "sync/digests",
     "sync/digests_equal",
     "sync/workers",
+    "sync/tp_ranks",
 )
 
 MISMATCH_FIELDS = ("response_mask", "old_log_probs", "rollout_log_probs")
@@ -123,11 +125,18 @@ def sync_metrics(reports: list, seconds: float | None = None) -> dict:
             f"sync_metrics: rollout worker {missing[0]} has installed no jetrl weight sync ({len(missing)} of "
             f"{len(reports)} workers): its engine does not run a jetrl quantization method"
         )
-    sizes = [int(r["bytes"]) for r in reports]
-    if len(set(sizes)) != 1:
-        raise ValueError(f"sync_metrics: the rollout workers installed different payloads: bytes {sizes}")
+    by_rank: dict[int, set[int]] = {}
+    for r in reports:
+        by_rank.setdefault(int(r.get("tp_rank", 0)), set()).add(int(r["bytes"]))
+    differ = {rank: sorted(b) for rank, b in by_rank.items() if len(b) != 1}
+    if differ:
+        raise ValueError(
+            "sync_metrics: rollout workers of the same tensor-parallel rank installed different payloads: bytes by "
+            f"rank {differ}"
+        )
     out = {
-        "sync/bytes": sizes[0],
+        "sync/bytes": sum(b.pop() for b in by_rank.values()),
+        "sync/tp_ranks": len(by_rank),
         "sync/install_seconds": max(float(r["seconds"]) for r in reports),
         "sync/arrival_digests": sum(int(r["n_arrival_digests"]) for r in reports),
         "sync/digests": sum(int(r["n_digests"]) for r in reports),

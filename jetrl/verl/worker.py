@@ -12,7 +12,10 @@ and only when the engine runs one of jetrl's quantization methods (``jetrl_fp8``
 2. `install_received` pairs each ``<module>.weight`` (e4m3) with its ``<module>.weight_scale_inv``,
    checks every tensor against the trainer-side digest that followed it in the stream
    (``<name>:jetrl_digest``, see `jetrl.verl.engine`) -- what arrived is what the trainer sent --,
-   then hands the payload to `jetrl.rollout.sync.install_payload`, which places it (fused
+   then, in a tensor-parallel engine, cuts this worker's slice of every tensor
+   (`jetrl.rollout.tp`: fp8 bytes and scale rows / columns on 128 boundaries, nothing re-quantized; every
+   worker receives the full stream from its colocated trainer rank, as in verl's own sync), and hands the
+   payload to `jetrl.rollout.sync.install_payload`, which places it (fused
    ``qkv_proj`` / ``gate_up_proj`` rows and scale rows), copies it in place, refreshes vLLM's
    CPU prepacked copies, and compares digests of the engine's memory with the payload. Any difference
    raises `WeightSyncError` naming the parameter, which fails verl's ``update_weights`` call.
@@ -37,9 +40,15 @@ import os
 import torch
 
 from jetrl.recipe import Recipe
-from jetrl.rollout.adapter import model_packed_modules, model_param_info, refresh_after_weight_update
+from jetrl.rollout.adapter import (
+    model_packed_modules,
+    model_param_info,
+    model_tensor_parallel,
+    refresh_after_weight_update,
+)
 from jetrl.rollout.methods import RolloutQuantConfig
 from jetrl.rollout.sync import SyncReport, WeightSyncError, install_payload, tensor_digests
+from jetrl.rollout.tp import TPShapeError
 from jetrl.verl.adapter import (
     BucketedWeightReceiver,
     register_rollout_name,
@@ -74,7 +83,8 @@ def jetrl_quant_config(vllm_config) -> RolloutQuantConfig | None:
 
 
 def install_received(model, received: dict[str, torch.Tensor], recipe: Recipe) -> SyncReport:
-    """Install one verl weight stream (name -> tensor, digest entries included) into a live vLLM model.
+    """Install one verl weight stream (name -> tensor, digest entries included) into a live vLLM model (this
+    worker's tensor-parallel slice of it in a TP engine).
 
     Raises `WeightSyncError` naming the tensor when a digest is missing, when what arrived differs from
     what the trainer sent, when a weight's scales are missing, or when the engine does not end up
@@ -109,6 +119,11 @@ def install_received(model, received: dict[str, torch.Tensor], recipe: Recipe) -
     stray = [n for n in tensors if n.endswith(SCALE_SUFFIX) and n[: -len(SCALE_SUFFIX)] + "weight" not in payload]
     if stray:
         raise WeightSyncError(f"{stray[0]}: scales arrived without their fp8 weight")
+    tp = model_tensor_parallel(model)
+    try:
+        payload = tp.slice_payload(payload)
+    except TPShapeError as e:
+        raise WeightSyncError(f"tensor-parallel rank {tp.rank} of {tp.size}: {e}") from e
     return install_payload(
         model,
         payload,
@@ -150,6 +165,7 @@ class JetrlWorkerExtension(vLLMColocateWorkerExtension):
             **report.to_dict(),
             "n_arrival_digests": sum(n.endswith(DIGEST_SUFFIX) for n in received),
             "sync_index": self.jetrl_sync_index,
+            "tp_rank": model_tensor_parallel(self.model_runner.model).rank,
         }
         _log.info("jetrl weight sync: %s", self.jetrl_last_sync)
         return self.jetrl_last_sync

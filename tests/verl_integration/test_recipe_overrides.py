@@ -85,12 +85,8 @@ def test_forwarded_overrides_win():
     assert jetrl == {"jetrl.recipe": "bf16", "jetrl.dry_run": "true"}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("script", RECIPES, ids=[p.stem for p in RECIPES])
-def test_recipe_dry_run_through_the_entrypoint(script, tmp_path):
-    """``DRY_RUN=1 bash recipes/<model>_<dataset>.sh`` as a user runs it: the real ``python -m jetrl.verl``
-    composes, validates (verl's validate_config, the jetrl section, the model's shapes from
-    recipes/models/<model>/config.json) and exits 0 without Ray or a GPU."""
+def _dry_run(script: Path, cwd: Path, **env: str):
+    """``DRY_RUN=1 bash recipes/<model>_<dataset>.sh`` with the model's recipes/models config, in `cwd`."""
     import os
     import subprocess
     import sys
@@ -98,17 +94,43 @@ def test_recipe_dry_run_through_the_entrypoint(script, tmp_path):
     from jetrl.testing.subprocess_guard import HANG_GUARD_S
 
     model = script.stem.split("_", 1)[0]
-    env = {
+    full_env = {
         **{k: v for k, v in os.environ.items() if k != "VERL_PLATFORM"},  # the test platform is this process's
         "DRY_RUN": "1",
         "PYTHON": sys.executable,
         "MODEL_PATH": str(script.parent / "models" / model),
-        "DATA_DIR": str(tmp_path),
+        "DATA_DIR": str(cwd),
+        **env,
     }
-    proc = subprocess.run(  # in tmp_path: hydra writes its outputs/ folder into the working directory
-        ["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S
+    return subprocess.run(  # in cwd: hydra writes its outputs/ folder into the working directory
+        ["bash", str(script)], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=HANG_GUARD_S
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", RECIPES, ids=[p.stem for p in RECIPES])
+def test_recipe_dry_run_through_the_entrypoint(script, tmp_path):
+    """``DRY_RUN=1 bash recipes/<model>_<dataset>.sh`` as a user runs it: the real ``python -m jetrl.verl``
+    composes, validates (verl's validate_config, the jetrl section, the model's shapes from
+    recipes/models/<model>/config.json, the GPU layout and the rollout TP split) and exits 0 without Ray or a
+    GPU."""
+    proc = _dry_run(script, tmp_path)
     assert proc.returncode == 0, f"{script.name}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
     assert proc.stdout.strip().splitlines()[-1].startswith("jetrl.verl dry run: configuration valid"), proc.stdout[
         -500:
     ]
+
+
+@pytest.mark.slow
+def test_recipe_dry_run_checks_ngpus_and_rollout_tp(tmp_path):
+    """The recipes' NGPUS / NNODES / ROLLOUT_TP reach the entrypoint's checks: Qwen2.5-7B's 28 heads do not
+    split over TP 8, and 6 GPUs do not hold TP-4 replicas; Llama-3.1-8B at TP 8 on 2 nodes of 8 does."""
+    by_name = {p.stem: p for p in RECIPES}
+    proc = _dry_run(by_name["qwen2.5-7b_gsm8k"], tmp_path, ROLLOUT_TP="8")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "tensor_model_parallel_size=8" in proc.stderr and "num_attention_heads=28" in proc.stderr, proc.stderr
+    proc = _dry_run(by_name["llama3.1-8b_math"], tmp_path, ROLLOUT_TP="4", NGPUS="6")
+    assert proc.returncode == 2 and "trainer.n_gpus_per_node=6" in proc.stderr, proc.stderr[-3000:]
+    proc = _dry_run(by_name["llama3.1-8b_math"], tmp_path, ROLLOUT_TP="8", NGPUS="8", NNODES="2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "configuration valid" in proc.stdout

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +15,15 @@ verl = pytest.importorskip(
 
 from jetrl.testing.subprocess_guard import HANG_GUARD_S  # noqa: E402
 from jetrl.tiny import save_tiny_checkpoint  # noqa: E402
-from jetrl.verl.launch import ConfigError, check_model_shapes, compose, lint_gate, validate  # noqa: E402
+from jetrl.verl.launch import (  # noqa: E402
+    ConfigError,
+    apply_recipe,
+    check_model_shapes,
+    check_parallelism,
+    compose,
+    lint_gate,
+    validate,
+)
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +38,7 @@ def _base(ckpt) -> list[str]:
         "data.val_files=/nonexistent/test.parquet",
         "algorithm.adv_estimator=grpo",
         "trainer.n_gpus_per_node=1",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",  # one GPU holds one TP-1 rollout replica
         "data.train_batch_size=4",
         "actor_rollout_ref.rollout.n=2",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",
@@ -107,6 +117,87 @@ def test_model_shapes_are_checked_against_128x128(ckpt, tmp_path):
         check_model_shapes(cfg)
     cfg.jetrl.recipe = "bf16"  # BF16 training has no block constraint
     assert check_model_shapes(cfg) == {}
+
+
+MODELS = Path(__file__).parents[2] / "recipes" / "models"
+# per-rank (q heads x head_dim, kv heads x head_dim, intermediate) of the shipped models; None: refused, naming
+TP_CASES = {
+    ("llama3.1-8b", 2): (2048, 512, 7168),
+    ("llama3.1-8b", 4): (1024, 256, 3584),
+    ("llama3.1-8b", 8): (512, 128, 1792),
+    ("qwen3-8b-base", 8): (512, 128, 1536),
+    ("qwen2.5-7b", 4): (896, 128, 4736),
+    ("qwen2.5-7b", 8): None,  # 28 heads; 4 kv heads; 18944 / 8 = 2368 rows
+}
+
+
+def _parallel(model_path, tp: int, *extra: str, gpus: int = 8):
+    return compose(
+        _base(model_path)
+        + [f"trainer.n_gpus_per_node={gpus}", f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp}", *extra]
+    )
+
+
+@pytest.mark.parametrize(("model", "tp"), list(TP_CASES), ids=[f"{m}-tp{t}" for m, t in TP_CASES])
+def test_rollout_tp_splits_the_shipped_models_on_128_rows(model, tp):
+    cfg = _parallel(MODELS / model, tp)
+    want = TP_CASES[(model, tp)]
+    if want is None:
+        with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=8 .*num_attention_heads=28 does not split"):
+            check_parallelism(cfg)
+        return
+    assert tuple(check_parallelism(cfg).values()) == want
+    assert all(v % 128 == 0 for v in want)
+
+
+def test_a_tp_that_cuts_fp8_blocks_is_refused_naming_the_dim(tmp_path):
+    # Llama-2-7B's intermediate size: 11008 = 86 x 128 rows, 2752 per rank at TP 4 -- not a multiple of 128
+    hf = json.loads((MODELS / "llama3.1-8b" / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "intermediate_size": 11008}))
+    assert check_parallelism(_parallel(tmp_path, 2))["intermediate_size (gate_proj/up_proj N, down_proj K)"] == 5504
+    with pytest.raises(
+        ConfigError,
+        match=r"tensor_model_parallel_size=4 .*intermediate_size \(gate_proj/up_proj N, down_proj K\)=11008",
+    ):
+        check_parallelism(_parallel(tmp_path, 4))
+    # verl's own block-FP8 rollout of the naive baseline has the same constraint; BF16 has none
+    with pytest.raises(ConfigError, match=r"jetrl.recipe=naive-fp8-rollout .*2752 rows per rank, not a multiple"):
+        check_parallelism(_parallel(tmp_path, 4, "jetrl.recipe=naive-fp8-rollout"))
+    assert check_parallelism(_parallel(tmp_path, 4, "jetrl.recipe=bf16")) == {}
+    (tmp_path / "config.json").write_text(json.dumps({**hf, "num_key_value_heads": 2}))
+    with pytest.raises(ConfigError, match=r"num_key_value_heads=2 does not split over tensor-parallel size 4"):
+        check_parallelism(_parallel(tmp_path, 4))
+
+
+@pytest.mark.parametrize(
+    ("extra", "gpus", "named"),
+    [
+        ((), 6, r"tensor_model_parallel_size=4 .* = 4 GPUs per rollout replica: trainer.n_gpus_per_node=6"),
+        (("trainer.nnodes=2",), 4, None),  # TP 4 replicas on 2 nodes of 4 GPUs
+        (("actor_rollout_ref.rollout.tensor_model_parallel_size=8", "trainer.nnodes=2"), 6, r"span whole nodes"),
+        (("actor_rollout_ref.actor.fsdp_config.fsdp_size=3",), 8, r"actor\.fsdp_config\.fsdp_size=3: must be -1"),
+        (("actor_rollout_ref.ref.ulysses_sequence_parallel_size=3",), 8, r"ref\.ulysses_sequence_parallel_size=3"),
+    ],
+)
+def test_the_gpu_layout_is_checked_naming_the_key(extra, gpus, named):
+    cfg = _parallel(MODELS / "llama3.1-8b", 4, *extra, gpus=gpus)
+    if named is None:
+        assert check_parallelism(cfg)
+    else:
+        with pytest.raises(ConfigError, match=named):
+            check_parallelism(cfg)
+
+
+def test_per_shard_export_needs_fsdp_shards_on_128_rows(monkeypatch):
+    monkeypatch.setenv("JETRL_FP8_EXPORT", "shard")
+    cfg = _parallel(MODELS / "llama3.1-8b", 2)  # 8 GPUs: every N / 8 is whole 128-row blocks
+    check_parallelism(cfg)
+    apply_recipe(cfg)
+    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.JETRL_FP8_EXPORT == "shard"  # reaches the workers
+    with pytest.raises(ConfigError, match=r"JETRL_FP8_EXPORT=shard: num_key_value_heads\*head_dim .*=1024 in FSDP "):
+        check_parallelism(_parallel(MODELS / "llama3.1-8b", 2, "trainer.nnodes=2"))  # 1024 / 16 = 64 rows
+    monkeypatch.delenv("JETRL_FP8_EXPORT")
+    check_parallelism(_parallel(MODELS / "llama3.1-8b", 2, "trainer.nnodes=2"))  # gather after all: no constraint
 
 
 def test_the_lint_refuses_the_off_policy_baseline_unless_told(ckpt, capsys):

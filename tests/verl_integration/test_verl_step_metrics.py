@@ -266,6 +266,7 @@ def test_sync_metrics_reach_verls_step_metrics(model, monkeypatch):
         "sync/digests": 80,
         "sync/digests_equal": 1.0,
         "sync/workers": 2,
+        "sync/tp_ranks": 1,
     }
     assert set(got) <= set(METRIC_KEYS) and trainer._consume_sync_metrics() == {}
 
@@ -290,9 +291,15 @@ def test_sync_metrics_refuse_inconsistent_reports():
         sync_metrics([])
     with pytest.raises(ValueError, match=r"rollout worker 1 has installed no jetrl weight sync"):
         sync_metrics([REPORT, None])
-    with pytest.raises(ValueError, match=r"different payloads: bytes \[4096, 4095\]"):
+    with pytest.raises(ValueError, match=r"different payloads: bytes by rank \{0: \[4095, 4096\]\}"):
         sync_metrics([REPORT, {**REPORT, "bytes": 4095}])
     assert "sync/seconds" not in sync_metrics([REPORT])
+    # two TP-2 replicas: each rank installs its own slice; a replica installs the sum of its ranks'
+    tp = [{**REPORT, "tp_rank": r, "bytes": 4096 - 1024 * r} for r in (0, 1)] * 2
+    got = sync_metrics(tp)
+    assert (got["sync/bytes"], got["sync/tp_ranks"], got["sync/workers"]) == (4096 + 3072, 2, 4)
+    with pytest.raises(ValueError, match=r"bytes by rank \{1: \[3071, 3072\]\}"):
+        sync_metrics(tp[:3] + [{**tp[3], "bytes": 3071}])
 
 
 def test_every_v1_trainer_mode_gets_the_hook():
