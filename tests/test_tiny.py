@@ -74,3 +74,47 @@ def test_in_memory_model_equals_the_loaded_checkpoint(tmp_path):
     ids = torch.tensor([[1, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]])
     with torch.no_grad():
         assert torch.equal(model(ids).logits, loaded(ids).logits)
+
+
+CHAT = [{"role": "user", "content": "Compute the result. Reply with the number only. 12+7="}]
+
+
+def test_chat_tokenizer_appends_chatml_tokens_and_keeps_every_other_id():
+    plain, chat = CharTokenizer(), CharTokenizer(chat=True)
+    assert chat.vocab[: len(plain)] == plain.vocab
+    assert chat.vocab[len(plain) :] == ["\n", "<unk>", "<|im_start|>", "<|im_end|>"]
+    assert chat.eos_id == chat._ids["<|im_end|>"] and chat.eos_token == "<|im_end|>"
+    assert chat.encode(TEXT) == plain.encode(TEXT)
+    assert chat.encode("a\nb", add_bos=False) == [chat._ids["a"], chat._ids["\n"], chat._ids["b"]]
+    with pytest.raises(ValueError, match="'<', '>'"):  # text is characters: special tokens are not spelled
+        chat.encode("<|im_end|>")
+    with pytest.raises(ValueError, match="no chat template"):
+        plain.encode_chat(CHAT)
+    with pytest.raises(ValueError, match="message 0"):
+        chat.encode_chat([{"role": "user", "content": "1", "name": "x"}])
+    ids = chat.encode_chat(CHAT)
+    assert chat.decode(ids) == "user\n" + CHAT[0]["content"] + "\nassistant\n"
+    assert chat.decode(ids, skip_special=False).startswith("<|im_start|>user\n")
+    assert tiny_qwen3_config(chat=True).vocab_size == len(chat)
+    assert tiny_qwen3_config(chat=True).eos_token_id == chat.eos_id
+
+
+def test_chat_checkpoint_renders_like_encode_chat_and_has_what_verl_needs(tmp_path):
+    """The saved HF tokenizer's chat template gives `encode_chat`'s ids both ways verl tokenizes (rendered text
+    without special tokens; apply_chat_template with tokenize=True), and it has what verl's qwen3 (ChatML)
+    rollout requires: a single-token newline, ``<|im_end|>`` and an unknown-token entry."""
+    from transformers import AutoTokenizer
+
+    tok = CharTokenizer(chat=True)
+    save_tiny_checkpoint(tmp_path, seed=0, chat=True)
+    hf = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    text = hf.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    assert text == "<|im_start|>user\n" + CHAT[0]["content"] + "<|im_end|>\n<|im_start|>assistant\n"
+    assert hf(text, add_special_tokens=False)["input_ids"] == tok.encode_chat(CHAT)
+    out = hf.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)
+    assert list(out["input_ids"] if hasattr(out, "keys") else out) == tok.encode_chat(CHAT)
+    assert hf.encode("\n", add_special_tokens=False) == [tok._ids["\n"]]
+    assert hf.convert_tokens_to_ids("<|im_end|>") == tok.eos_id == hf.eos_token_id
+    assert hf.unk_token_id == tok._ids["<unk>"] and hf.convert_tokens_to_ids("<|not_a_token|>") == hf.unk_token_id
+    gen = json.loads((tmp_path / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == tok.eos_id

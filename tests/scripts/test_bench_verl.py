@@ -1,0 +1,120 @@
+"""bench_verl's CPU parts: verl's file-logger lines -> per-step records, the summary, merging, the table."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from scripts_cases import load_script
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_script("bench_verl")
+
+
+def _step(step: int, score: float, dlogp: float, *, digests_equal: float | None = 1.0) -> dict:
+    m = {
+        "critic/score/mean": score,
+        "mismatch/logp_abs_diff_mean": dlogp,
+        "mismatch/logp_abs_diff_max": 10 * dlogp,
+        "mismatch/is_ratio_max": 1.0 + dlogp,
+        "timing_s/gen": 2.0 + step,
+        "timing_s/old_log_prob": 1.0,
+        "timing_s/update_actor": 3.0,
+        "timing_s/update_weights": 0.5,
+        "timing_s/step": 7.0,
+        "response_length/mean": 3.0,
+        "note": "strings are dropped",
+    }
+    if digests_equal is not None:
+        m |= {"sync/digests_equal": digests_equal, "sync/digests": 30, "sync/arrival_digests": 30}
+    return m
+
+
+def _write(path, rows):
+    """What verl 0.9.1's file logger writes (``trainer.logger`` with ``file``), through verl's own class."""
+    tracking = pytest.importorskip("verl.utils.tracking", reason="verl writes the lines under test")
+    import os
+
+    os.environ["VERL_FILE_LOGGER_PATH"] = str(path)
+    try:
+        logger = tracking.FileLogger("jetrl", "t")
+        for step, data in rows:
+            logger.log(data, step)
+        logger.finish()
+    finally:
+        del os.environ["VERL_FILE_LOGGER_PATH"]
+    return path
+
+
+def test_file_logger_lines_become_step_records(bench, tmp_path):
+    path = _write(
+        tmp_path / "r.jsonl",
+        [(0, {"val-core/jetrl/arithmetic/reward/mean@1": 0.5}), (1, _step(1, 0.5, 1e-3)), (2, _step(2, 0.7, 2e-3))],
+    )
+    rows = bench.read_steps(path)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert "note" not in rows[1]["metrics"] and rows[1]["metrics"]["response_length/mean"] == 3.0
+    rec = bench.step_record(rows[2])
+    assert rec["critic/score/mean"] == 0.7 and rec["sync/digests_equal"] == 1.0
+    assert rec["time_s"] == {"rollout": 4.0, "old_logp": 1.0, "update": 3.0, "sync": 0.5, "step": 7.0}
+    s = bench.summarize([bench.step_record(r) for r in rows])
+    assert (s["steps"], s["reward_first"], s["reward_last"]) == (2, 0.5, 0.7)
+    assert s["mismatch/logp_abs_diff_mean (mean over steps)"] == pytest.approx(1.5e-3)
+    assert s["mismatch/logp_abs_diff_max (max over steps)"] == pytest.approx(2e-2)
+    assert s["median_time_s"]["rollout"] == 3.5
+    assert s["digests_equal_every_sync"] and s["syncs_digest_checked"] == 2 and s["digests_compared_total"] == 120
+    assert s["val_reward"] == [0.5]
+
+
+def test_a_sync_without_equal_digests_is_not_hidden(bench, tmp_path):
+    path = _write(tmp_path / "r.jsonl", [(1, _step(1, 0.5, 1e-3)), (2, _step(2, 0.5, 1e-3, digests_equal=0.0))])
+    s = bench.summarize([bench.step_record(r) for r in bench.read_steps(path)])
+    assert not s["digests_equal_every_sync"]
+    path = _write(tmp_path / "b.jsonl", [(1, _step(1, 0.5, 1e-3, digests_equal=None))])  # a bf16 run: no digests
+    s = bench.summarize([bench.step_record(r) for r in bench.read_steps(path)])
+    assert s["syncs_digest_checked"] == 0 and not s["digests_equal_every_sync"]
+
+
+def test_a_line_that_is_not_verl_s_is_named(bench, tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"step": 1, "data": {}}\n{"oops": 1}\n')
+    with pytest.raises(ValueError, match=r"x.jsonl:2"):
+        bench.read_steps(path)
+
+
+def _result(runs, commit):
+    return {"device": "GPU", "versions": {}, "date": "d", "commit": commit, "command": "c", "runs": runs}
+
+
+def _run(recipe, dlogp, error=None):
+    s = {"steps": 5, "reward_first": 0.5, "reward_last": 0.7, "median_time_s": {}, "syncs_digest_checked": 0}
+    s |= {
+        "mismatch/logp_abs_diff_mean (mean over steps)": dlogp,
+        "mismatch/logp_abs_diff_max (max over steps)": dlogp,
+        "mismatch/is_ratio_max (max over steps)": 1.0,
+    }
+    return {"recipe": recipe, "summary": s, **({"error": error} if error else {})}
+
+
+def test_merge_keeps_each_run_s_provenance_and_later_files_win(bench, tmp_path, capsys):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_result([_run("bf16", 4e-3), _run("jetrl-unified", 0.0, "exit code 1")], "aaa")))
+    b.write_text(json.dumps(_result([_run("jetrl-unified", 5e-3), _run("naive-fp8-rollout", 5e-2)], "bbb")))
+    out = tmp_path / "m.json"
+    assert bench.main(["--out", str(out), "--merge", str(a), str(b)]) == 0
+    m = json.loads(out.read_text())
+    assert [r["recipe"] for r in m["runs"]] == ["jetrl-unified", "naive-fp8-rollout", "bf16"]
+    assert [r["meta"]["commit"] for r in m["runs"]] == ["bbb", "bbb", "aaa"]
+    assert m["unified_over_naive_mean_dlogp"] == pytest.approx(0.1)
+    assert "unified / naive mean |dlogp|: 0.1" in capsys.readouterr().out
+    assert bench.main(["--out", str(out), "--merge", str(a)]) == 1  # a failed run keeps the exit code at 1
+    assert "FAILED: exit code 1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "match"), [(["--recipes", "fp4"], "fp4"), (["--steps", "0"], "--steps")])
+def test_bad_options(bench, tmp_path, capsys, argv, match):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--out", str(tmp_path / "o.json"), *argv])
+    assert match in capsys.readouterr().err
