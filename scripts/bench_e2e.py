@@ -31,13 +31,14 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import benchmeta
 
 RECIPES = ("jetrl-unified", "bf16")
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -54,14 +55,6 @@ QWEN3_0_6B = {
     "tie_word_embeddings": False,
     "initializer_range": 0.02,
 }
-
-
-def _device_name() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    return f"CPU {platform.processor() or platform.machine()} x{os.cpu_count()}"
 
 
 def _make_model(path: Path, tiny: bool, seed: int) -> None:
@@ -233,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         table[r]["sync/bytes"] = v["steps"][-1]["sync/bytes"]
         table[r]["response/length_mean"] = v["steps"][-1]["response/length_mean"]
     ratio = {k: table["jetrl-unified"][k] / table["bf16"][k] for k in keys}
-    device = _device_name()
+    device = benchmeta.device_name()
     print(
         f"\none RL step, {'tiny Qwen3' if args.tiny else 'Qwen3-0.6B-shaped'} on {device}: "
         f"{args.prompts} prompts x {args.samples} samples x {args.max_tokens} tokens (median of {args.steps})"

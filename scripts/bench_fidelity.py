@@ -29,7 +29,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -37,6 +36,8 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+
+import benchmeta
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -274,37 +275,6 @@ def plot(result: dict, path: Path) -> Path:
 # -- the run (needs vLLM) --------------------------------------------------------------------------
 
 
-def _versions() -> dict:
-    import torch
-
-    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
-    for mod in ("vllm", "triton", "transformers"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except Exception as e:  # recorded, not hidden
-            out[mod] = f"unavailable: {type(e).__name__}"
-    return out
-
-
-def _device_name() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    return f"CPU {platform.processor() or platform.machine()} x{os.cpu_count()}"
-
-
-def _commit(given: str | None) -> str:
-    if given:
-        return given
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (no git checkout; pass --commit)"
-
-
 def _model_overrides(args) -> dict:
     need = args.max_tokens + 64
     over = dict(args.model_overrides)
@@ -432,10 +402,10 @@ def _base_result(args, model_info: dict) -> dict:
     return {
         "benchmark": "fidelity",
         "schema": SCHEMA_VERSION,
-        "device": _device_name(),
-        "versions": _versions(),
+        "device": benchmeta.device_name(),
+        "versions": benchmeta.versions(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": _commit(args.commit),
+        "commit": benchmeta.commit(args.commit),
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
         "model": model_info,
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("VLLM_", "CUDA_VISIBLE"))},
