@@ -165,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError) as e:
         print(f"jetrl warmup: {e}", file=sys.stderr)
         return 2
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"jetrl warmup: --device {args.device}: this machine has no CUDA device", file=sys.stderr)
+        return 2
     chat = args.format == "chat"
     tok = CharTokenizer(chat=chat)
     model = build_tiny_model(args.seed, chat=chat).float().to(device)

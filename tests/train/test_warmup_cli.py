@@ -46,6 +46,11 @@ def test_chat_warmup_trains_on_the_prompts_verl_renders():
         (["--steps", "0"], "--steps must be > 0"),
         (["--ops", "/"], "/"),
         (["--device", "nodevice"], "nodevice"),
+        pytest.param(
+            ["--device", "cuda"],
+            "no CUDA device",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA"),
+        ),
     ],
 )
 def test_bad_options_are_named(tmp_path, capsys, argv, match):
