@@ -45,6 +45,7 @@ _lock = threading.Lock()
 _slots: dict[tuple[str, str], int] = {}  # (op, name) -> slot index, shared by all devices
 _names: list[tuple[str, str]] = []  # slot index -> (op, name)
 _flags: dict[torch.device, torch.Tensor] = {}  # device -> int32 [capacity]
+_retired: dict[torch.device, list[torch.Tensor]] = {}  # device -> buffers outgrown, still checked (see below)
 
 
 def _slot(op: str, name: str) -> int:
@@ -61,7 +62,9 @@ def nonfinite_flag(op: str, name: str, device: torch.device) -> tuple[torch.Tens
     """The device flag buffer and the slot a kernel launched by `op` on tensor `name` sets to 1.
 
     The buffer grows (copied on the current stream, so pending writes are kept in order) when new
-    names appear; steady-state steps reuse their slots and allocate nothing.
+    names appear; steady-state steps reuse their slots and allocate nothing. An outgrown buffer is kept
+    and checked too: a CUDA graph captured before the growth still writes to it (its address is baked
+    into the graph), and a NaN it flags there must not go unreported.
     """
     device = torch.device(device)
     with _lock:
@@ -72,6 +75,7 @@ def nonfinite_flag(op: str, name: str, device: torch.device) -> tuple[torch.Tens
             new = torch.zeros(cap, dtype=torch.int32, device=device)
             if buf is not None:
                 new[: buf.numel()].copy_(buf)
+                _retired.setdefault(device, []).append(buf)
             _flags[device] = buf = new
     return buf, slot
 
@@ -85,12 +89,19 @@ def check_nonfinite(reset: bool = True) -> None:
     bad: list[str] = []
     with _lock:
         for device, buf in _flags.items():
-            hits = torch.nonzero(buf).flatten().tolist()  # the one device->host sync
+            retired = _retired.get(device, [])
+            seen = buf
+            if retired:  # slot indices are the same in every buffer of a device (each a prefix of the next)
+                seen = buf.clone()
+                for old in retired:
+                    seen[: old.numel()] += old
+            hits = torch.nonzero(seen).flatten().tolist()  # the one device->host sync
             for slot in hits:
                 op, name = _names[slot]
                 bad.append(f"{op} on {name} ({device})")
             if reset and hits:
-                buf.zero_()
+                for b in (buf, *retired):
+                    b.zero_()
     if bad:
         raise NonFiniteError(
             "non-finite values (NaN/Inf) reached FP8 kernels; their outputs are invalid: " + "; ".join(bad)
@@ -100,8 +111,9 @@ def check_nonfinite(reset: bool = True) -> None:
 def reset_nonfinite() -> None:
     """Clear every device flag without checking."""
     with _lock:
-        for buf in _flags.values():
-            buf.zero_()
+        for device, buf in _flags.items():
+            for b in (buf, *_retired.get(device, [])):
+                b.zero_()
 
 
 def scale_buffer(m: int, g: int, layout: str, device: torch.device) -> torch.Tensor:

@@ -101,3 +101,24 @@ def test_gpu_flags_nonfinite(i):
         K.check_nonfinite()
     launch_quantize_1x128(*_finite_hostile("cuda"))
     K.check_nonfinite()  # finite extremes: no flag
+
+
+def test_a_flag_set_in_an_outgrown_buffer_is_still_reported():
+    """The flag buffer grows when new tensor names appear; a CUDA graph captured before that keeps writing the
+    old buffer (its address is baked into the graph). `check_nonfinite` reads it too and `reset` clears it."""
+    from jetrl.kernels import _runtime as rt
+
+    rt.reset_nonfinite()
+    old, slot = rt.nonfinite_flag("test_op", "early.weight", torch.device("cpu"))
+    for i in range(old.numel() + 1):  # more names than the buffer holds: it grows
+        rt.nonfinite_flag("test_op", f"later_{i}.weight", torch.device("cpu"))
+    new, again = rt.nonfinite_flag("test_op", "early.weight", torch.device("cpu"))
+    assert new.data_ptr() != old.data_ptr() and again == slot and new.numel() > old.numel()
+    old[slot] = 1  # what the graph captured before the growth writes
+    with pytest.raises(quant.NonFiniteError, match="test_op on early.weight") as e:
+        rt.check_nonfinite()
+    assert "later_" not in str(e.value)
+    rt.check_nonfinite()  # the reset cleared the outgrown buffer as well
+    old[slot] = 1
+    rt.reset_nonfinite()
+    rt.check_nonfinite()
