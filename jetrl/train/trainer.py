@@ -456,6 +456,7 @@ class Trainer:
     def _train(self, step: int, ro: _Rollout, n_groups: int) -> dict[str, float]:
         a, g = self.cfg.algo, self.cfg.rollout.samples_per_prompt
         temp = self.cfg.rollout.temperature
+        t0 = time.perf_counter()
         batch: TokenBatch = make_batch(
             [s.prompt_ids for s in ro.samples],
             [s.response_ids for s in ro.samples],
@@ -481,6 +482,8 @@ class Trainer:
                     ref_lp[mb, :w], _ = forward_logprobs(self.ref_model, sub, temperature=temp)
         out = dict(algo.mismatch_metrics(old_lp, batch.rollout_logp, batch.mask))
         out["actor/entropy"] = float(algo.masked_mean(ent, batch.mask))
+        # the metrics above read the log-probs on the host: the device has finished the old-log-prob pass
+        out["time/old_logp_s"] = time.perf_counter() - t0
         anchor = old_lp if a.old_logp == "trainer" else batch.rollout_logp
         is_w = algo.truncated_is_weights(old_lp, batch.rollout_logp, a.tis_cap) if a.tis_cap else None
         adv = algo.group_advantages(ro.rewards, g, norm_by_std=a.norm_adv_by_std, eps=a.eps).to(self.device)
@@ -604,6 +607,7 @@ class Trainer:
                 }
             )
             row["actor/optimizer_steps"] = 0
+            row["time/old_logp_s"] = 0.0
         else:
             row.update(self._train(step, ro, n_groups))
         t2 = time.perf_counter()
@@ -614,6 +618,7 @@ class Trainer:
                 "step": step,
                 "time/rollout_s": t1 - t0,
                 "time/train_s": t2 - t1,
+                "time/update_s": t2 - t1 - row.get("time/old_logp_s", 0.0),
                 "time/sync_s": t3 - t2,
                 "sync/bytes": rep.bytes,
                 "sync/tensors": rep.n_params,
