@@ -27,6 +27,8 @@ from pathlib import Path
 
 import benchmeta
 
+from jetrl.verl.metrics import METRIC_KEYS
+
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE_SCRIPT = ROOT / "recipes" / "tiny-arith-verl.sh"
 RECIPES = ("jetrl-unified", "naive-fp8-rollout", "bf16")
@@ -38,22 +40,8 @@ PHASES = {
     "step": "timing_s/step",
 }
 """Step-time split: our name -> verl 0.9.1's timer (V1 trainer)."""
-STEP_KEYS = (
-    "critic/score/mean",
-    "mismatch/logp_abs_diff_mean",
-    "mismatch/logp_abs_diff_max",
-    "mismatch/is_ratio_mean",
-    "mismatch/is_ratio_max",
-    "mismatch/tokens",
-    "training/rollout_probs_diff_mean",
-    "training/rollout_probs_diff_max",
-    "sync/bytes",
-    "sync/seconds",
-    "sync/install_seconds",
-    "sync/arrival_digests",
-    "sync/digests",
-    "sync/digests_equal",
-)
+STEP_KEYS = ("critic/score/mean", *METRIC_KEYS, "training/rollout_probs_diff_mean", "training/rollout_probs_diff_max")
+"""Kept per step: verl's reward, jetrl's ``mismatch/*`` and ``sync/*`` (`jetrl.verl.metrics`), verl's own mismatch."""
 LOG_TAIL = 80
 """Lines of a failed run's log kept in the JSON."""
 

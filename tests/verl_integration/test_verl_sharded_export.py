@@ -165,7 +165,7 @@ def ranks(tmp_path_factory):
     assert not hung, f"FSDP2 ranks {hung} still running after {HANG_GUARD_S} s"
     errors = {r: (out / f"rank{r}.err").read_text() for r in range(WORLD) if (out / f"rank{r}.err").exists()}
     assert not errors and all(p.exitcode == 0 for p in procs), (errors, [p.exitcode for p in procs])
-    return ckpts, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return ckpts, [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
 
 
 def _single_process_export(ckpt):
