@@ -3,7 +3,6 @@ per-tensor export stream against `jetrl.convert.export_fp8_weights` and against 
 and the cache invalidation of ``optimizer_step``."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -14,24 +13,17 @@ verl = pytest.importorskip(
 
 import torch.distributed as dist  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
-from verl.trainer.config import CheckpointConfig  # noqa: E402
-from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig  # noqa: E402
+from verl_engine_cases import build_engine, free_port  # noqa: E402
 
 from jetrl.convert import convert_model, export_fp8_weights  # noqa: E402
 from jetrl.linear import JetFP8Linear  # noqa: E402
 from jetrl.recipe import Recipe  # noqa: E402
 from jetrl.rollout.sync import tensor_digest  # noqa: E402
 from jetrl.tiny import save_tiny_checkpoint  # noqa: E402
-from jetrl.verl.engine import DIGEST_SUFFIX, SCALE_SUFFIX, JetrlFSDPEngine, decode_digest  # noqa: E402
+from jetrl.verl.engine import DIGEST_SUFFIX, SCALE_SUFFIX, decode_digest  # noqa: E402
 
 RECIPE = "jetrl-unified"
 BACKEND = "emulated" if not torch.cuda.is_available() else "auto"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -43,24 +35,13 @@ def ckpt(tmp_path_factory):
 def engine(ckpt):
     """verl's FSDP2 engine initialisation on a world-size-1 gloo group, with jetrl's recipe from the env."""
     env = {"JETRL_RECIPE": RECIPE, "JETRL_GEMM_BACKEND": BACKEND, "MASTER_ADDR": "127.0.0.1"}
-    env["MASTER_PORT"] = str(_free_port())
+    env["MASTER_PORT"] = str(free_port())
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, rank=0, world_size=1)
     try:
-        eng = JetrlFSDPEngine(
-            HFModelConfig(
-                path=str(ckpt),
-                use_remove_padding=False,
-                enable_gradient_checkpointing=False,
-                override_config={"attn_implementation": "sdpa"},
-            ),
-            FSDPEngineConfig(strategy="fsdp2", forward_only=False, use_torch_compile=False),
-            FSDPOptimizerConfig(lr=1e-2, clip_grad=1.0),
-            CheckpointConfig(),
-        )
-        eng.initialize()
+        eng = build_engine(ckpt)
         yield eng
     finally:
         dist.destroy_process_group()

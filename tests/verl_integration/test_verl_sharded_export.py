@@ -7,7 +7,6 @@ a shard is not whole 128-row blocks. Neither mode ever holds the whole model gat
 every ``DTensor.full_tensor`` result is tracked while it is alive)."""
 
 import os
-import socket
 import traceback
 import weakref
 from pathlib import Path
@@ -25,6 +24,7 @@ if not torch.cuda.is_available():  # as conftest does; also in the spawned ranks
     verl_cpu_platform.install()
 
 from transformers import AutoModelForCausalLM  # noqa: E402
+from verl_engine_cases import build_engine, free_port  # noqa: E402
 
 from jetrl.convert import convert_model, export_fp8_weights  # noqa: E402
 from jetrl.recipe import Recipe  # noqa: E402
@@ -38,33 +38,6 @@ WORLD = 2
 MODELS = {"tiny": (3, {}), "tiny-kv2": (4, {"num_key_value_heads": 2})}
 """The tiny model's k_proj / v_proj have 128 rows: 64 per FSDP shard, off the 128-row blocks. With two kv
 heads every weight's shard is 128 rows or more: the per-shard export is exact there."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _build_engine(ckpt: str):
-    from verl.trainer.config import CheckpointConfig
-    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
-
-    from jetrl.verl.engine import JetrlFSDPEngine
-
-    eng = JetrlFSDPEngine(
-        HFModelConfig(
-            path=ckpt,
-            use_remove_padding=False,
-            enable_gradient_checkpointing=False,
-            override_config={"attn_implementation": "sdpa"},
-        ),
-        FSDPEngineConfig(strategy="fsdp2", forward_only=False, use_torch_compile=False),
-        FSDPOptimizerConfig(lr=1e-2, clip_grad=1.0),
-        CheckpointConfig(),
-    )
-    eng.initialize()
-    return eng
 
 
 def _export(eng, mode: str) -> dict:
@@ -123,7 +96,7 @@ def _rank_main(rank: int, ckpts: dict[str, str], port: int, out_dir: str) -> Non
         dist.init_process_group("gloo", rank=rank, world_size=WORLD)
         out: dict = {}
         for key, ckpt in ckpts.items():
-            eng = _build_engine(ckpt)
+            eng = build_engine(ckpt)
             shards = {}
             for name in eng.jetrl_conversion.converted_names():
                 w = eng.module.get_submodule(name).weight
@@ -152,7 +125,7 @@ def ranks(tmp_path_factory):
     ckpts = {key: str(save_tiny_checkpoint(root / key, seed=seed, **kw)) for key, (seed, kw) in MODELS.items()}
     out = tmp_path_factory.mktemp("fsdp2")
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, ckpts, port, str(out))) for r in range(WORLD)]
     for p in procs:
         p.start()
