@@ -158,10 +158,11 @@ def run_recipe(args, recipe: str, logdir: Path) -> dict:
         rc = subprocess.run(argv, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
     wall = time.perf_counter() - t0
     res: dict = {"recipe": recipe, "command": command, "returncode": rc, "wall_s": round(wall, 1)}
-    steps = [step_record(r) for r in read_steps(jsonl)] if jsonl.exists() else []
+    rows = read_steps(jsonl) if jsonl.exists() else []
+    steps = [step_record(r) for r in rows]
     res["steps"] = steps
     res["summary"] = summarize(steps)
-    res["metrics"] = read_steps(jsonl) if jsonl.exists() else []
+    res["metrics"] = rows
     if rc != 0 or res["summary"]["steps"] < args.steps:
         res["error"] = f"exit code {rc}, {res['summary']['steps']} of {args.steps} steps logged"
         res["log_tail"] = log.read_text(errors="replace").splitlines()[-LOG_TAIL:]
