@@ -207,6 +207,11 @@ class JetrlvLLMReplica(vLLMReplica):
 
         self.server_class = ray.remote(JetrlvLLMHttpServer)
 
+    def _get_server_name_prefix(self) -> str:
+        # The trainer side (verl's ServerAdapter) looks the server actor up as f"{rollout.name}_server_...";
+        # verl's replica names it "vllm_server_..." whatever the rollout name, so name it for ours.
+        return f"{ROLLOUT_NAME}_"
+
 
 def register_rollout() -> None:
     """Make ``actor_rollout_ref.rollout.name=jetrl_vllm`` resolve to `JetrlvLLMReplica` (idempotent)."""

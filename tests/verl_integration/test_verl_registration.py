@@ -56,6 +56,16 @@ def test_registration_is_idempotent_and_under_jetrl_keys_only():
     )
 
 
+def test_the_server_actor_is_named_where_the_trainer_side_looks_it_up():
+    # verl's ServerAdapter (the sender in every actor worker) finds the server by rollout.name; the replica
+    # creates it under its own prefix. A mismatch fails the first weight sync ("Failed to look up actor").
+    from verl.workers.rollout.vllm_rollout import ServerAdapter
+
+    adapter = types.SimpleNamespace(config={"name": ROLLOUT_NAME})
+    replica_prefix = JetrlvLLMReplica._get_server_name_prefix(None)
+    assert replica_prefix == ServerAdapter._get_server_name_prefix(adapter) == "jetrl_vllm_"
+
+
 def test_the_engine_needs_the_recipe_from_the_runtime_env(monkeypatch):
     monkeypatch.delenv("JETRL_RECIPE", raising=False)
     with pytest.raises(RuntimeError, match="JETRL_RECIPE is not set"):
