@@ -10,7 +10,10 @@ Per step it keeps, from verl's file logger (``trainer.logger`` gains ``file``): 
 ``training/rollout_probs_diff_*`` and the step time split rollout (``timing_s/gen``) / old-logp
 (``timing_s/old_log_prob``) / update (``timing_s/update_actor``) / sync (``timing_s/update_weights``); every
 other numeric metric of the step is kept under ``metrics``. A recipe whose run fails is recorded with its exit
-code and the tail of its log (the other recipes still run); the exit code is then 1. Prints a table last.
+code and the tail of its log (the other recipes still run); the exit code is then 1. A run stopped before it
+ends (``--recipe-timeout``, or SIGTERM from a device call's time limit, which also ends the benchmark) keeps the
+steps it logged, and the JSON is written. Prints a table
+last.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -60,6 +64,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="JSON",
         help="run nothing: combine the runs of these result files (later files win per recipe) into --out, e.g. "
         "recipes run in separate device calls",
+    )
+    p.add_argument(
+        "--recipe-timeout",
+        type=float,
+        metavar="S",
+        help="stop a recipe's run after S seconds and keep the steps it logged (SIGTERM does the same and ends "
+        "the benchmark: set S below the device call's limit)",
     )
     p.add_argument("overrides", nargs="*", help="hydra overrides forwarded to every run (after --)")
     args = p.parse_args(argv)
@@ -129,9 +140,17 @@ def summarize(steps: list[dict]) -> dict:
     return out
 
 
-def run_recipe(args, recipe: str, logdir: Path) -> dict:
-    jsonl, log = logdir / f"{recipe}.jsonl", logdir / f"{recipe}.log"
-    jsonl.unlink(missing_ok=True)
+class _Stopped(Exception):
+    """SIGTERM arrived (e.g. the device call's time limit): stop the running recipe, keep its steps, write."""
+
+
+def _on_sigterm(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up and the write
+    raise _Stopped
+
+
+def recipe_command(args, recipe: str, jsonl: Path) -> tuple[list[str], dict[str, str], str]:
+    """The recipe's argv, its environment, and the command line as recorded."""
     argv = [
         "bash",
         str(RECIPE_SCRIPT),
@@ -142,31 +161,66 @@ def run_recipe(args, recipe: str, logdir: Path) -> dict:
         *(["jetrl.proceed_on_lint_violation=true"] if recipe == "naive-fp8-rollout" else []),
         *args.overrides,
     ]
-    env = {
-        **os.environ,
-        "RECIPE": recipe,
-        "STEPS": str(args.steps),
-        "SEED": str(args.seed),
-        "PYTHON": sys.executable,
-        "VERL_FILE_LOGGER_PATH": str(jsonl),
-    }
-    shown_env = {k: env[k] for k in ("RECIPE", "STEPS", "SEED")}
-    command = " ".join(f"{k}={v}" for k, v in shown_env.items()) + " " + shlex.join(argv)
-    print(f"== {recipe}: {command}", flush=True)
-    t0 = time.perf_counter()
+    shown = {"RECIPE": recipe, "STEPS": str(args.steps), "SEED": str(args.seed)}
+    env = {**os.environ, **shown, "PYTHON": sys.executable, "VERL_FILE_LOGGER_PATH": str(jsonl)}
+    return argv, env, " ".join(f"{k}={v}" for k, v in shown.items()) + " " + shlex.join(argv)
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the recipe's process group (bash, python -m jetrl.verl, Ray's local instance), then SIGKILL."""
+    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_child(argv: list[str], env: dict, log: Path, limit_s: float | None) -> tuple[int | None, str | None]:
+    """Run the recipe into `log`: (exit code, None), or (None, why) when it was stopped before it ended."""
     with log.open("w") as f:
-        rc = subprocess.run(argv, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
-    wall = time.perf_counter() - t0
-    res: dict = {"recipe": recipe, "command": command, "returncode": rc, "wall_s": round(wall, 1)}
+        proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return proc.wait(timeout=limit_s), None
+        except subprocess.TimeoutExpired:
+            why = f"stopped by --recipe-timeout {limit_s:g} s"
+        except _Stopped:
+            why = "stopped by SIGTERM"
+        _stop_group(proc)
+        return None, why
+
+
+def record(args, recipe: str, command: str, rc: int | None, stopped: str | None, wall_s, logdir: Path) -> dict:
+    """The run's result from the file logger's lines and the log, whether or not the run ended by itself."""
+    jsonl, log = logdir / f"{recipe}.jsonl", logdir / f"{recipe}.log"
+    res: dict = {"recipe": recipe, "command": command, "returncode": rc, "wall_s": wall_s}
     rows = read_steps(jsonl) if jsonl.exists() else []
     steps = [step_record(r) for r in rows]
     res["steps"] = steps
     res["summary"] = summarize(steps)
     res["metrics"] = rows
-    if rc != 0 or res["summary"]["steps"] < args.steps:
-        res["error"] = f"exit code {rc}, {res['summary']['steps']} of {args.steps} steps logged"
+    logged = f"{res['summary']['steps']} of {args.steps} steps logged"
+    if stopped:
+        res["error"] = f"{stopped}, {logged}"
+    elif rc != 0 or res["summary"]["steps"] < args.steps:
+        res["error"] = f"exit code {rc}, {logged}"
+    if "error" in res and log.exists():
         res["log_tail"] = log.read_text(errors="replace").splitlines()[-LOG_TAIL:]
     return res
+
+
+def run_recipe(args, recipe: str, logdir: Path) -> dict:
+    jsonl = logdir / f"{recipe}.jsonl"
+    jsonl.unlink(missing_ok=True)
+    argv, env, command = recipe_command(args, recipe, jsonl)
+    print(f"== {recipe}: {command}", flush=True)
+    t0 = time.perf_counter()
+    rc, stopped = run_child(argv, env, logdir / f"{recipe}.log", args.recipe_timeout)
+    return record(args, recipe, command, rc, stopped, round(time.perf_counter() - t0, 1), logdir)
 
 
 def _fmt(v, spec=".3g") -> str:
@@ -239,9 +293,15 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
         "runs": [],
     }
-    for recipe in args.recipes:
-        result["runs"].append(run_recipe(args, recipe, logdir))
-        args.out.write_text(json.dumps(result, indent=1))
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        for recipe in args.recipes:
+            result["runs"].append(run_recipe(args, recipe, logdir))
+            args.out.write_text(json.dumps(result, indent=1))
+            if result["runs"][-1].get("error", "").startswith("stopped by SIGTERM"):
+                break
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     finish(result, args.out)
     print(f"logs in {logdir}")
     return 1 if any("error" in r for r in result["runs"]) else 0

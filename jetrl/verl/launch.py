@@ -304,7 +304,8 @@ def lint_gate(cfg: DictConfig) -> int:
     recipe = _recipe(cfg)
     path = str(cfg.actor_rollout_ref.model.path)
     if recipe.name == "jetrl-unified":  # a live engine with jetrl's method, as the rollout will run
-        report = lint(path, recipe, rollout="jetrl-vllm")
+        eager = bool(cfg.actor_rollout_ref.rollout.enforce_eager)  # eager or compiled + CUDA graphs, as verl's
+        report = lint(path, recipe, rollout="jetrl-vllm", engine_kwargs={"enforce_eager": eager})
     else:  # the baselines run stock vLLM: described from its settings, no engine is started
         from jetrl.lint.stock_vllm import StockVllmSettings
 

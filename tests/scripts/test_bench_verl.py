@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 from scripts_cases import load_script
@@ -118,3 +120,40 @@ def test_bad_options(bench, tmp_path, capsys, argv, match):
     with pytest.raises(SystemExit):
         bench.parse_args(["--out", str(tmp_path / "o.json"), *argv])
     assert match in capsys.readouterr().err
+
+
+def _fake_recipe(tmp_path, body: str):
+    script = tmp_path / "fake-recipe.sh"
+    script.write_text("#!/usr/bin/env bash\n" + body)
+    return script
+
+
+def test_sigterm_stops_the_run_keeps_its_steps_and_writes(bench, tmp_path, monkeypatch, capsys):
+    # the recipe logs one step, then the benchmark gets SIGTERM (the device call's time limit) mid-run
+    line = json.dumps({"step": 1, "data": _step(1, 0.5, 1e-3)})
+    body = f"echo '{line}' > \"$VERL_FILE_LOGGER_PATH\"\necho $$ > {tmp_path}/pid\nkill -TERM $PPID\nexec sleep 300\n"
+    monkeypatch.setattr(bench, "RECIPE_SCRIPT", _fake_recipe(tmp_path, body))
+    out, before = tmp_path / "r.json", signal.getsignal(signal.SIGTERM)
+    assert bench.main(["--out", str(out), "--recipes", "jetrl-unified,bf16"]) == 1
+    res = json.loads(out.read_text())
+    assert [r["recipe"] for r in res["runs"]] == ["jetrl-unified"]  # the benchmark ends after the stopped run
+    run = res["runs"][0]
+    assert run["error"] == "stopped by SIGTERM, 1 of 5 steps logged" and run["returncode"] is None
+    assert run["summary"]["reward_first"] == 0.5 and run["summary"]["digests_equal_every_sync"]
+    pid = int((tmp_path / "pid").read_text())
+    with pytest.raises(ProcessLookupError):  # the recipe's process group is gone
+        os.kill(pid, 0)
+    assert signal.getsignal(signal.SIGTERM) is before  # the benchmark's handler is gone again
+    assert "FAILED: stopped by SIGTERM" in capsys.readouterr().out
+
+
+def test_recipe_timeout_stops_one_run_and_the_next_runs(bench, tmp_path, monkeypatch):
+    body = "if [[ $RECIPE == jetrl-unified ]]; then exec sleep 300; fi\nexit 3\n"
+    monkeypatch.setattr(bench, "RECIPE_SCRIPT", _fake_recipe(tmp_path, body))
+    out = tmp_path / "r.json"
+    assert bench.main(["--out", str(out), "--recipes", "jetrl-unified,bf16", "--recipe-timeout", "1"]) == 1
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["error"] for r in runs] == [
+        "stopped by --recipe-timeout 1 s, 0 of 5 steps logged",
+        "exit code 3, 0 of 5 steps logged",
+    ]

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -211,6 +212,28 @@ def test_the_lint_refuses_the_off_policy_baseline_unless_told(ckpt, capsys):
     bf16 = compose(_base(ckpt) + ["jetrl.recipe=bf16"])
     validate(bf16)
     assert lint_gate(bf16) == 0
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_the_unified_lint_starts_its_engine_as_the_rollout_will_run(ckpt, monkeypatch, eager):
+    import jetrl.lint
+
+    seen = {}
+
+    def fake_lint(path, recipe, **kw):
+        seen.update(kw, path=path, recipe=recipe.name)
+        return types.SimpleNamespace(ok=True, table=lambda: "CONSISTENT")
+
+    monkeypatch.setattr(jetrl.lint, "lint", fake_lint)
+    cfg = compose(_base(ckpt) + [f"actor_rollout_ref.rollout.enforce_eager={eager}"])
+    validate(cfg)
+    assert lint_gate(cfg) == 0
+    assert seen == {
+        "path": str(ckpt),
+        "recipe": "jetrl-unified",
+        "rollout": "jetrl-vllm",
+        "engine_kwargs": {"enforce_eager": eager},
+    }
 
 
 def _entrypoint(args, cwd):
