@@ -140,13 +140,26 @@ def summarize(steps: list[dict]) -> dict:
     return out
 
 
+STOP_GRACE_S = 5
+"""Seconds between SIGTERM and SIGKILL to a stopped recipe's process group (a device call's limit is near)."""
+
+
 class _Stopped(Exception):
     """SIGTERM arrived (e.g. the device call's time limit): stop the running recipe, keep its steps, write."""
+
+
+class _SigTerm:
+    noted = False
+    """A SIGTERM came while a recipe was being stopped: the benchmark ends after writing."""
 
 
 def _on_sigterm(signum, frame):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up and the write
     raise _Stopped
+
+
+def _note_sigterm(signum, frame):
+    _SigTerm.noted = True
 
 
 def recipe_command(args, recipe: str, jsonl: Path) -> tuple[list[str], dict[str, str], str]:
@@ -167,17 +180,22 @@ def recipe_command(args, recipe: str, jsonl: Path) -> tuple[list[str], dict[str,
 
 
 def _stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM to the recipe's process group (bash, python -m jetrl.verl, Ray's local instance), then SIGKILL."""
-    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, None)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    """SIGTERM to the recipe's process group (bash, python -m jetrl.verl, Ray's local instance), SIGKILL after
+    `STOP_GRACE_S`. A SIGTERM to the benchmark meanwhile is noted (`_SigTerm`), never raised into this."""
+    previous = signal.signal(signal.SIGTERM, _note_sigterm)
+    try:
+        for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, None)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout=wait_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run_child(argv: list[str], env: dict, log: Path, limit_s: float | None) -> tuple[int | None, str | None]:
@@ -293,12 +311,13 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
         "runs": [],
     }
+    _SigTerm.noted = False
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         for recipe in args.recipes:
             result["runs"].append(run_recipe(args, recipe, logdir))
             args.out.write_text(json.dumps(result, indent=1))
-            if result["runs"][-1].get("error", "").startswith("stopped by SIGTERM"):
+            if _SigTerm.noted or result["runs"][-1].get("error", "").startswith("stopped by SIGTERM"):
                 break
     finally:
         signal.signal(signal.SIGTERM, previous)

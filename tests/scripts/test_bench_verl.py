@@ -157,3 +157,15 @@ def test_recipe_timeout_stops_one_run_and_the_next_runs(bench, tmp_path, monkeyp
         "stopped by --recipe-timeout 1 s, 0 of 5 steps logged",
         "exit code 3, 0 of 5 steps logged",
     ]
+
+
+def test_a_sigterm_while_a_timed_out_run_is_stopped_still_writes_and_ends(bench, tmp_path, monkeypatch):
+    # the recipe answers the benchmark's SIGTERM (its --recipe-timeout) by sending SIGTERM back, as the device's
+    # limit can while the run is being stopped: the clean-up finishes, the JSON is written, no next recipe runs
+    body = "trap 'kill -TERM $PPID' TERM\nsleep 300 &\nwait\n"
+    monkeypatch.setattr(bench, "RECIPE_SCRIPT", _fake_recipe(tmp_path, body))
+    out, before = tmp_path / "r.json", signal.getsignal(signal.SIGTERM)
+    assert bench.main(["--out", str(out), "--recipes", "jetrl-unified,bf16", "--recipe-timeout", "1"]) == 1
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["error"] for r in runs] == ["stopped by --recipe-timeout 1 s, 0 of 5 steps logged"]
+    assert signal.getsignal(signal.SIGTERM) is before
