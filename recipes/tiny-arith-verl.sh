@@ -27,6 +27,7 @@ STEPS=${STEPS:-5}
 SEED=${SEED:-0}
 ATTN=${ATTN:-sdpa}
 REMOVE_PADDING=${REMOVE_PADDING:-False}
+LOOP_WORKERS=${LOOP_WORKERS:-2}  # agent-loop, reward and dataloader workers (verl: 8 each) for 16 prompts a step
 
 if [[ ! -f "$DATA_DIR/arithmetic/train.parquet" ]]; then
   "$PYTHON" "$JETRL_ROOT/scripts/data/arithmetic.py" --out-dir "$DATA_DIR/arithmetic" --max-operand 9 --seed "$SEED"
@@ -60,6 +61,9 @@ jetrl_verl_run \
   actor_rollout_ref.rollout.gpu_memory_utilization=0.3 \
   actor_rollout_ref.rollout.max_num_batched_tokens=8192 \
   actor_rollout_ref.rollout.enforce_eager=True \
+  actor_rollout_ref.rollout.agent.num_workers="$LOOP_WORKERS" \
+  reward.num_workers="$LOOP_WORKERS" \
+  data.dataloader_num_workers="$LOOP_WORKERS" \
   trainer.total_training_steps="$STEPS" \
   data.seed="$SEED" \
   "$@"

@@ -101,5 +101,5 @@ def test_tiny_recipe_dry_run_makes_data_and_checkpoint(tmp_path):
     assert proc.stdout.strip().splitlines()[-1].startswith("jetrl.verl dry run: configuration valid")
     assert (tmp_path / "data" / "arithmetic" / "train.parquet").is_file()
     assert (tmp_path / "data" / "tiny-arith-chat" / "warmup.json").is_file()
-    for key in ("n_gpus_per_node: 1", "attn_implementation: sdpa", "total_training_steps: 5"):
+    for key in ("n_gpus_per_node: 1", "attn_implementation: sdpa", "total_training_steps: 5", "num_workers: 2"):
         assert key in proc.stdout
