@@ -53,6 +53,7 @@ CHAT_TEMPLATE = (
 )
 """ChatML without a system turn or thinking block (what `CharTokenizer.encode_chat` produces)."""
 _CHARS = string.digits + "+-*=" + " " + string.ascii_lowercase + string.ascii_uppercase + ".,:;?!()"
+_MORE_CHARS = [c for c in string.punctuation if c not in _CHARS]
 
 TINY_DEFAULTS: dict = {
     "hidden_size": 256,
@@ -71,11 +72,23 @@ TINY_DEFAULTS: dict = {
 
 class CharTokenizer:
     """One token per character. Ids: 0 ``<pad>``, 1 ``<s>``, 2 ``</s>``, then `_CHARS` in order; with
-    `chat`, then `CHAT_EXTRA` (end of sequence ``<|im_end|>``)."""
+    `chat`, then `CHAT_EXTRA` (end of sequence ``<|im_end|>``).
 
-    def __init__(self, chat: bool = False) -> None:
+    With `size` (the tokenizer of a random-weight model whose embedding has more rows than there are
+    characters): then the rest of ASCII's punctuation (`_MORE_CHARS`, so real datasets' prompts encode), then
+    filler tokens ``<|fill_N|>`` (no text encodes to them) up to `size` entries, so every sampled id decodes;
+    saved as a byte-level BPE without merges (same ids), which tokenizer classes that rebuild a byte-level BPE
+    from the vocabulary (transformers' ``Qwen2Tokenizer``, forced for ``model_type`` qwen2) load unchanged."""
+
+    def __init__(self, chat: bool = False, size: int | None = None) -> None:
         self.chat = chat
+        self.byte_level = size is not None
         self.vocab: list[str] = [PAD, BOS, EOS, *_CHARS, *(CHAT_EXTRA if chat else ())]
+        if size is not None:
+            self.vocab += _MORE_CHARS
+            if size < len(self.vocab):
+                raise ValueError(f"CharTokenizer: size={size} is below the {len(self.vocab)} tokens it needs")
+            self.vocab += [f"<|fill_{i}|>" for i in range(size - len(self.vocab))]
         self._ids = {tok: i for i, tok in enumerate(self.vocab)}
         self._special = {PAD, BOS, EOS, UNK, IM_START, IM_END} & set(self.vocab)
         self.pad_id, self.bos_id = 0, 1
@@ -131,10 +144,19 @@ class CharTokenizer:
         """The ``tokenizer.json`` text of an equivalent `tokenizers` fast tokenizer."""
         from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-        tok = Tokenizer(models.WordLevel(vocab=dict(self._ids), unk_token=UNK if self.chat else None))
-        # every character is its own pre-token (space and newline included), so WordLevel sees single characters
-        tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
-        tok.decoder = decoders.Fuse()
+        if self.byte_level:  # one byte per character: each is its own token, as no merge joins two
+            from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+            b2u = bytes_to_unicode()
+            vocab = {(t if t in self._special or len(t) > 1 else b2u[ord(t)]): i for t, i in self._ids.items()}
+            tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK if self.chat else None))
+            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+            tok.decoder = decoders.ByteLevel()
+        else:
+            tok = Tokenizer(models.WordLevel(vocab=dict(self._ids), unk_token=UNK if self.chat else None))
+            # every character is its own pre-token (space and newline included): WordLevel sees single characters
+            tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+            tok.decoder = decoders.Fuse()
         specials = [t for t in self.vocab if t in self._special]
         tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
         tok.post_processor = processors.TemplateProcessing(
@@ -142,7 +164,7 @@ class CharTokenizer:
         )
         return tok.to_str(pretty=True)
 
-    def save(self, path: str | os.PathLike) -> None:
+    def save(self, path: str | os.PathLike, model_max_length: int = TINY_DEFAULTS["max_position_embeddings"]) -> None:
         """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json`` into `path`."""
         p = Path(path)
         p.mkdir(parents=True, exist_ok=True)
@@ -157,7 +179,7 @@ class CharTokenizer:
             "add_bos_token": True,
             "add_eos_token": False,
             "clean_up_tokenization_spaces": False,
-            "model_max_length": TINY_DEFAULTS["max_position_embeddings"],
+            "model_max_length": model_max_length,
         }
         if self.chat:
             cfg["chat_template"] = CHAT_TEMPLATE
@@ -220,7 +242,7 @@ def build_tiny_model(seed: int, chat: bool = False, **overrides):
 
 def save_checkpoint(model, tokenizer: CharTokenizer, path: str | os.PathLike) -> Path:
     """Write an HF checkpoint dir: config.json, model.safetensors (bf16), generation_config.json and
-    the tokenizer files. Returns the path."""
+    the tokenizer files (``model_max_length`` the model's ``max_position_embeddings``). Returns the path."""
     p = Path(path)
     p.mkdir(parents=True, exist_ok=True)
     bad = [n for n, t in model.state_dict().items() if t.is_floating_point() and t.dtype != torch.bfloat16]
@@ -228,7 +250,7 @@ def save_checkpoint(model, tokenizer: CharTokenizer, path: str | os.PathLike) ->
         raise ValueError(f"save_checkpoint: expected bf16 weights, found other dtypes in {bad[:5]}")
     model.config.dtype = torch.bfloat16
     model.save_pretrained(p, safe_serialization=True)
-    tokenizer.save(p)
+    tokenizer.save(p, model_max_length=model.config.max_position_embeddings)
     return p
 
 

@@ -46,73 +46,23 @@ import tempfile
 from pathlib import Path
 
 import benchmeta
+from shape_model import SHAPES, shape_config, write_shape_model
 
 RECIPES = ("jetrl-unified", "bf16")
 TIMES = ("time/rollout_s", "time/old_logp_s", "time/update_s", "time/train_s", "time/sync_s")
 """The trainer's per-step phases kept (train = old log-probs + update)."""
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 """Decode batch sizes vLLM captures CUDA graphs for with --cuda-graphs (a step decodes <= 256 sequences)."""
-QWEN3_0_6B = {
-    "hidden_size": 1024,
-    "intermediate_size": 3072,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 151936,
-    "max_position_embeddings": 4096,
-    "tie_word_embeddings": False,
-    "initializer_range": 0.02,
-}
-MODELS_DIR = Path(__file__).resolve().parent.parent / "recipes" / "models"
-SHAPES = ("qwen3-0.6b", "llama3.1-8b")
-DEFAULT_LAYERS = {"qwen3-0.6b": QWEN3_0_6B["num_hidden_layers"], "llama3.1-8b": 8}
-
-
-def shape_config(shape: str, layers: int | None):
-    """The `transformers` config of a random-weight model of `shape` with `layers` decoder layers (None: the
-    shape's default), its special ids those of the character tokenizer."""
-    from transformers import AutoConfig
-
-    from jetrl.tiny import CharTokenizer
-
-    if shape not in SHAPES:
-        raise ValueError(f"--shape {shape!r}: choose one of {SHAPES}")
-    n = DEFAULT_LAYERS[shape] if layers is None else layers
-    if n < 1:
-        raise ValueError(f"--layers must be >= 1, got {n}")
-    tok = CharTokenizer()
-    special = {"pad_token_id": tok.pad_id, "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
-    if shape == "qwen3-0.6b":
-        fields = {**QWEN3_0_6B, "num_hidden_layers": n}
-        return AutoConfig.for_model("qwen3", **fields, **special)
-    fields = json.loads((MODELS_DIR / shape / "config.json").read_text())
-    fields.pop("architectures", None)
-    fields.pop("torch_dtype", None)
-    full = fields["num_hidden_layers"]
-    if n > full:
-        raise ValueError(f"--layers {n}: {shape} has {full} decoder layers")
-    fields.update(num_hidden_layers=n, **special)
-    return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
 def _make_model(path: Path, tiny: bool, seed: int, shape: str = "qwen3-0.6b", layers: int | None = None) -> None:
     """Write a random-weight HF checkpoint (+ the char tokenizer) to `path`."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from jetrl.tiny import CharTokenizer, build_tiny_model, save_checkpoint
 
     if tiny:
-        model = build_tiny_model(seed)
+        save_checkpoint(build_tiny_model(seed), CharTokenizer(), path)
     else:
-        cfg = shape_config(shape, layers)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-                model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
-        model = model.cpu()
-    save_checkpoint(model, CharTokenizer(), path)
+        write_shape_model(path, shape, layers, seed=seed)
 
 
 def _config(args, recipe: str, model_path: str, out_dir: str) -> dict:
@@ -190,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="the embedded tiny Qwen3 (CPU-friendly) instead of 0.6B")
     p.add_argument("--shape", choices=SHAPES, default="qwen3-0.6b", help="random-weight model shape (default 0.6B)")
-    p.add_argument("--layers", type=int, help="decoder layers of --shape (default: qwen3-0.6b 28, llama3.1-8b 8)")
+    p.add_argument("--layers", type=int, help="decoder layers of --shape (default: qwen3-0.6b 28, an 8B-class shape 8)")
     p.add_argument("--prompts", type=int, default=None, help="prompts per step (default 32; --tiny 16)")
     p.add_argument("--samples", type=int, default=8, help="samples per prompt")
     p.add_argument("--max-tokens", type=int, default=None, help="response tokens (default 512; --tiny 16)")
