@@ -19,6 +19,7 @@ last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -162,6 +163,22 @@ def _note_sigterm(signum, frame):
     _SigTerm.noted = True
 
 
+@contextlib.contextmanager
+def sigterm_stops():
+    """Inside, SIGTERM stops the running recipe (`run_child` returns why) instead of killing the benchmark."""
+    _SigTerm.noted = False
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def sigterm_came(run: dict) -> bool:
+    """Whether the benchmark got SIGTERM during or after `run` (then it writes what it has and ends)."""
+    return _SigTerm.noted or run.get("error", "").startswith("stopped by SIGTERM")
+
+
 def recipe_command(args, recipe: str, jsonl: Path) -> tuple[list[str], dict[str, str], str]:
     """The recipe's argv, its environment, and the command line as recorded."""
     argv = [
@@ -212,19 +229,20 @@ def run_child(argv: list[str], env: dict, log: Path, limit_s: float | None) -> t
         return None, why
 
 
-def record(args, recipe: str, command: str, rc: int | None, stopped: str | None, wall_s, logdir: Path) -> dict:
-    """The run's result from the file logger's lines and the log, whether or not the run ended by itself."""
-    jsonl, log = logdir / f"{recipe}.jsonl", logdir / f"{recipe}.log"
-    res: dict = {"recipe": recipe, "command": command, "returncode": rc, "wall_s": wall_s}
+def record(name: str, command: str, rc: int | None, stopped: str | None, wall_s, logdir: Path, want: int) -> dict:
+    """A run's result from the file logger's lines (``logdir/<name>.jsonl``) and its log (``<name>.log``),
+    whether or not the run ended by itself; `want` steps were asked for."""
+    jsonl, log = logdir / f"{name}.jsonl", logdir / f"{name}.log"
+    res: dict = {"command": command, "returncode": rc, "wall_s": wall_s}
     rows = read_steps(jsonl) if jsonl.exists() else []
     steps = [step_record(r) for r in rows]
     res["steps"] = steps
     res["summary"] = summarize(steps)
     res["metrics"] = rows
-    logged = f"{res['summary']['steps']} of {args.steps} steps logged"
+    logged = f"{res['summary']['steps']} of {want} steps logged"
     if stopped:
         res["error"] = f"{stopped}, {logged}"
-    elif rc != 0 or res["summary"]["steps"] < args.steps:
+    elif rc != 0 or res["summary"]["steps"] < want:
         res["error"] = f"exit code {rc}, {logged}"
     if "error" in res and log.exists():
         res["log_tail"] = log.read_text(errors="replace").splitlines()[-LOG_TAIL:]
@@ -238,7 +256,8 @@ def run_recipe(args, recipe: str, logdir: Path) -> dict:
     print(f"== {recipe}: {command}", flush=True)
     t0 = time.perf_counter()
     rc, stopped = run_child(argv, env, logdir / f"{recipe}.log", args.recipe_timeout)
-    return record(args, recipe, command, rc, stopped, round(time.perf_counter() - t0, 1), logdir)
+    wall = round(time.perf_counter() - t0, 1)
+    return {"recipe": recipe, **record(recipe, command, rc, stopped, wall, logdir, args.steps)}
 
 
 def _fmt(v, spec=".3g") -> str:
@@ -311,16 +330,12 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
         "runs": [],
     }
-    _SigTerm.noted = False
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
+    with sigterm_stops():
         for recipe in args.recipes:
             result["runs"].append(run_recipe(args, recipe, logdir))
             args.out.write_text(json.dumps(result, indent=1))
-            if _SigTerm.noted or result["runs"][-1].get("error", "").startswith("stopped by SIGTERM"):
+            if sigterm_came(result["runs"][-1]):
                 break
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     finish(result, args.out)
     print(f"logs in {logdir}")
     return 1 if any("error" in r for r in result["runs"]) else 0

@@ -16,4 +16,4 @@ if [ ! -f "$root/verl.done" ]; then
 fi
 # shellcheck disable=SC1091
 source "$root/env.sh"
-python3 -c 'import verl, ray, jetrl.verl.plugin; print("verl", verl.__version__, "ray", ray.__version__)'
+python3 -c 'import verl, ray, math_verify, jetrl.verl.plugin; print("verl", verl.__version__, "ray", ray.__version__)'
