@@ -68,6 +68,7 @@ __all__ = [
     "quantized_of",
     "invalidate_fp8_caches",
     "invalidate_on_step",
+    "refresh_fp8_weights_",
     "JetRMSNormQuant",
     "JetSwiGLUMLP",
 ]
@@ -292,6 +293,29 @@ class JetFP8Linear(nn.Linear):
         """Drop the cached fp8 weight (needed only after writes that bypass the version counter)."""
         self._cache = None
 
+    @torch.no_grad()
+    def refresh_fp8_weight_(self) -> None:
+        """Re-quantize the current weight INTO the cached tensors (same objects and addresses; the transposed
+        copy too), so that CUDA graphs captured with them read the new bytes on replay. Makes the cache
+        (with the transpose) when there is none; nothing to do when it is current."""
+        if self._cache is None:
+            self._fp8_operands(with_transpose=True)
+            return
+        key, q, s, q_t, s_t = self._cache
+        if key == self._cache_key():
+            return
+        if self._master is not None:  # fp8_param: the bytes are the parameter, only the transpose is a copy
+            nq, ns = self.weight, self.weight_scale_inv
+            new = (nq, ns, nq.t(), ns.t())
+        else:
+            name = f"{self.layer_name}.weight"
+            new = quantize_128x128(self.weight.detach(), with_transpose=True, name=name)
+            self.weight_quantizations += 1
+        for dst, src in zip((q, s, q_t, s_t), new, strict=True):
+            if dst is not None and dst is not src:
+                dst.copy_(src)
+        self._cache = (self._cache_key(), q, s, q_t, s_t)
+
     # -- forward ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
@@ -315,6 +339,17 @@ def invalidate_fp8_caches(model: nn.Module) -> int:
     for m in model.modules():
         if isinstance(m, JetFP8Linear):
             m.invalidate_fp8_weight()
+            n += 1
+    return n
+
+
+def refresh_fp8_weights_(model: nn.Module) -> int:
+    """`JetFP8Linear.refresh_fp8_weight_` on every FP8 Linear of `model` (after an optimizer step, before CUDA
+    graphs that read the cached weights replay); returns how many modules were refreshed."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, JetFP8Linear):
+            m.refresh_fp8_weight_()
             n += 1
     return n
 

@@ -23,6 +23,7 @@ and copy of a real step is executed.
 
     python scripts/bench_e2e.py [--tiny | --shape llama3.1-8b --layers 8] [--prompts 32 --samples 8
                                 --max-tokens 512] [--steps 3] [--micro-batch-tokens N] [--fuse] [--cuda-graphs]
+                                [--train-cuda-graphs]
                                 [--out DIR]
 
 The step is split into rollout / old log-probs (the no-grad pass over the batch, ref included) / update /
@@ -104,6 +105,7 @@ def _config(args, recipe: str, model_path: str, out_dir: str) -> dict:
             "mini_batches": args.mini_batches,
             "micro_batch_size": args.micro_batch_size,
             "micro_batch_tokens": args.micro_batch_tokens,
+            "cuda_graphs": args.train_cuda_graphs,
         },
         "lint": {"enabled": False},
     }
@@ -161,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         help="FP8 recipe: fused RMSNorm/SwiGLU quantizing producers (model.fuse_producers)",
     )
     p.add_argument("--cuda-graphs", action="store_true", help="let vLLM capture CUDA graphs (enforce_eager=False)")
+    p.add_argument(
+        "--train-cuda-graphs",
+        action="store_true",
+        help="the update pass's micro-batches on CUDA graphs (algo.cuda_graphs, both recipes)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     p.add_argument("--one", help=argparse.SUPPRESS)
@@ -263,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
                 "micro_batch_size",
                 "micro_batch_tokens",
                 "fuse",
+                "cuda_graphs",
+                "train_cuda_graphs",
                 "backend",
                 "seed",
             )

@@ -10,7 +10,14 @@ from torch import nn
 
 from jetrl import quant
 from jetrl.gemm import linear_fp8
-from jetrl.linear import JetFP8Linear, attach_quantized, invalidate_fp8_caches, invalidate_on_step, quantized_of
+from jetrl.linear import (
+    JetFP8Linear,
+    attach_quantized,
+    invalidate_fp8_caches,
+    invalidate_on_step,
+    quantized_of,
+    refresh_fp8_weights_,
+)
 from jetrl.recipe import QuantSpec, Recipe, RecipeError
 from jetrl.testing.numerics import has_sm90, sqnr_db
 
@@ -161,6 +168,30 @@ def test_weight_cache_requantized_once_per_step(make_opt):
         opt.zero_grad()
         assert not torch.equal(layer.fp8_weight()[0], q_before), "cache not invalidated by optimizer.step()"
         assert layer.weight_quantizations == step + 2  # counts the next step's (only) quantization
+
+
+def test_refresh_requantizes_into_the_same_tensors():
+    """What CUDA graphs need: after an optimizer step the cached operands (fprop's bytes and dgrad's
+    transposed bytes) are updated in place, and a later forward reuses them without quantizing again."""
+    layer = _layer(256, 384)
+    x, _ = _inputs(64, 256, 384)
+    layer(x.requires_grad_()).float().sum().backward()  # the cache, with the transpose
+    _, q, s, q_t, s_t = layer._cache
+    ptrs = [t.data_ptr() for t in (q, s, q_t, s_t)]
+    with torch.no_grad():
+        layer.weight.mul_(-1.5)
+    assert refresh_fp8_weights_(layer) == 1
+    want = quant.quantize_128x128(layer.weight.detach())
+    _, q2, s2, qt2, st2 = layer._cache
+    assert (q2, s2, qt2, st2) == (q, s, q_t, s_t) and [t.data_ptr() for t in (q2, s2, qt2, st2)] == ptrs
+    assert torch.equal(q.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(s, want[1])
+    assert torch.equal(q_t.view(torch.uint8), want[0].t().contiguous().view(torch.uint8)) and torch.equal(
+        s_t, want[1].t()
+    )
+    n = layer.weight_quantizations
+    layer(x).float().sum().backward()
+    refresh_fp8_weights_(layer)  # current: nothing to do
+    assert layer.weight_quantizations == n and layer._cache[1] is q
 
 
 def test_invalidation_for_data_writes():

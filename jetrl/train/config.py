@@ -230,6 +230,10 @@ class AlgoConfig:
     sequences per micro-batch. None = fixed `micro_batch_size` chunks. Either way each micro-batch is
     trimmed to its longest sequence, and the loss is normalized by the whole mini-batch, so the
     gradient does not depend on the partition. Must be >= rollout.max_tokens + 1."""
+    cuda_graphs: bool = False
+    """Run the update pass's micro-batch forward + backward on CUDA graphs, one per shape bucket, captured
+    before training (`jetrl.train.graphs`: the FP8 Linears' host cost gone; log-probs and gradients equal
+    to eager mode's on the same padded shapes). Needs run.device 'cuda'; off = eager (the default)."""
     old_logp: str = "trainer"
     """PPO anchor log-probs: 'trainer' (recomputed with the synced weights) or 'rollout' (the engine's)."""
     tis_cap: float | None = None
@@ -485,6 +489,8 @@ def _check_values(cfg: TrainConfig) -> None:
                 f"{a.micro_batch_tokens} must be >= rollout.max_tokens + 1 = {ro.max_tokens + 1} (one sequence, a "
                 "prompt token and a full response, must fit in a micro-batch)",
             )
+    if a.cuda_graphs and r.device != "cuda":
+        raise _fail("algo.cuda_graphs", f"CUDA graphs need run.device 'cuda', got {r.device!r}")
     if a.tis_cap is not None and a.tis_cap <= 0:
         raise _fail("algo.tis_cap", f"must be > 0 or null, got {a.tis_cap}")
     if a.kl_coef < 0:

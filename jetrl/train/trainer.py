@@ -45,6 +45,8 @@ from typing import Any
 
 import torch
 
+from jetrl.linear import refresh_fp8_weights_
+
 from . import algo
 from .checkpoint import CheckpointError, load_latest, save_checkpoint
 from .checks import check_environment
@@ -148,6 +150,8 @@ class Trainer:
             self.task = ArithmeticTask(cfg.run.seed, cfg.task.min_operand, cfg.task.max_operand, cfg.task.ops)
         self.device = torch.device(cfg.run.device)
         self.engine = None
+        self.graphed = None
+        """`jetrl.train.graphs.GraphedLogprobs` with ``algo.cuda_graphs`` (after set-up), else None."""
         self.state: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ set-up
@@ -258,7 +262,27 @@ class Trainer:
             self._lint()
         rep = self._sync()
         self.log(f"initial sync: {rep.bytes / 2**20:.2f} MiB, {rep.n_params} tensors, digests equal")
+        if cfg.algo.cuda_graphs:  # after vLLM took its share of the GPU
+            self._capture_graphs()
         self.setup_s = time.perf_counter() - t0
+
+    def _capture_graphs(self) -> None:
+        from .graphs import GraphedLogprobs
+
+        a, t0 = self.cfg.algo, time.perf_counter()
+        self.graphed = GraphedLogprobs(
+            self.model,
+            temperature=self.cfg.rollout.temperature,
+            pad_id=self.tokens.pad_id,
+            max_rows=a.micro_batch_size,
+            max_tokens=a.micro_batch_tokens,
+            max_width=self.cfg.rollout.max_model_len,
+        )
+        self.graphed.capture_all()
+        self.opt.zero_grad()  # the captures' warm-up iterations accumulated gradients
+        shapes = ", ".join(f"{r}x{w}" for r, w in self.graphed.buckets)
+        n, took = len(self.graphed.buckets), time.perf_counter() - t0
+        self.log(f"cuda graphs: {n} buckets ({shapes}) captured in {took:.1f}s")
 
     def _check_numerics_path(self) -> None:
         """``model.numerics: vllm-cpu``: say which vLLM CPU kernels the trainer matches, and say loudly when
@@ -508,7 +532,10 @@ class Trainer:
                     n_micro += 1
                     real_slots += sum(lengths[i] for i in mb)
                     padded_slots += len(mb) * width
-                    lp, _ = forward_logprobs(self.model, sub, temperature=temp)
+                    if self.graphed is not None:
+                        lp = self.graphed(sub, width)
+                    else:
+                        lp, _ = forward_logprobs(self.model, sub, temperature=temp)
                     # denominators of the whole mini-batch: the micro-batch losses sum to its loss
                     loss, st = algo.policy_loss(
                         lp,
@@ -540,6 +567,8 @@ class Trainer:
                     stats["pg_loss"] += st["pg_loss"]
                     stats["tokens"] += n_tok
                 norms.append(self.opt.step())
+                if self.graphed is not None:  # the graphs read the cached FP8 weights: update them in place
+                    refresh_fp8_weights_(self.model)
         tok = max(stats["tokens"], 1.0)
         out.update(
             {

@@ -36,6 +36,7 @@ def test_defaults_and_presets():
         ({"algo": {"overlong_buffer": 8}}, "algo.overlong_buffer"),
         ({"algo": {"tis_cap": -1}}, "algo.tis_cap"),
         ({"algo": {"kl_coef": -0.1}}, "algo.kl_coef"),
+        ({"algo": {"cuda_graphs": True}}, "algo.cuda_graphs"),  # run.device cpu
         ({"algo": {"micro_batch_tokens": 0}}, "algo.micro_batch_tokens"),
         ({"algo": {"micro_batch_tokens": -64}}, "algo.micro_batch_tokens"),
         ({"algo": {"micro_batch_tokens": 8}}, "algo.micro_batch_tokens"),  # < rollout.max_tokens + 1 = 9

@@ -1,0 +1,138 @@
+"""The update pass's micro-batch forward + backward on CUDA graphs (``algo.cuda_graphs``, issue 19).
+
+Why: every FP8 Linear's forward + backward costs 1.3-1.8 ms of host time in eager mode (Triton launches,
+DeepGEMM calls, autograd; ``scripts/results/host-nvidia-h200.json``), more than its GPU time at RL micro-batch
+sizes, so the FP8 training phase is host-bound. A replayed CUDA graph issues the whole model's kernels at once.
+
+How: `GraphedLogprobs` keeps one graph pair (forward, backward: `torch.cuda.make_graphed_callables`) per shape
+bucket. A micro-batch ``[rows, width]`` is padded on the right to the bucket ``[R, W]``: ``W`` the next power
+of two >= width (at least `MIN_WIDTH`), ``R`` the micro-batch size, or with a token budget the most rows a
+micro-batch of that bucket can have (``budget // (W // 2 + 1)``, capped by the micro-batch size; the narrowest
+bucket takes the micro-batch size). Padding
+rows and columns have attention mask 0 and their log-probs are cut off before the loss, so their gradient
+is 0; they do take part in the 128-token blocks of the wgrad operands, as the padding of an eager
+micro-batch does. Every bucket is captured once, before training (`capture_all`), because capturing runs
+warm-up iterations whose gradients land in the accumulators (the optimizer's gradients are zeroed after).
+
+What replay reads: the captured tensors. The inputs are copied into the graph's static input buffers; the
+BF16 parameters are updated in place by the optimizer (same storage); the FP8 weight caches must be
+updated in place too, so after every optimizer step the trainer calls `jetrl.linear.refresh_fp8_weights_`
+(a re-quantization into the cached tensors, once per step as in eager mode). fp32 wgrads accumulate into
+the parameters' ``main_grad`` inside the backward graph; the other parameters' gradients come out of it and
+are accumulated by autograd as usual.
+
+Equality: a graph replays the kernels eager mode launches for the same padded shapes, so the graphed and
+the eager log-probs and gradients of a padded micro-batch are equal bit for bit (GPU test
+``tests/train/test_cuda_graphs.py``). The eager path stays the default.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .policy import TokenBatch, forward_logprobs
+
+__all__ = ["MIN_WIDTH", "GraphedLogprobs", "bucket_shape", "bucket_widths"]
+
+MIN_WIDTH = 64
+"""Narrowest bucket (tokens per row)."""
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def bucket_widths(max_width: int) -> list[int]:
+    """Every bucket width a sequence of at most `max_width` tokens can fall in."""
+    if max_width < 1:
+        raise ValueError(f"bucket_widths: max_width={max_width} must be >= 1")
+    top = max(MIN_WIDTH, _next_pow2(max_width))
+    widths, w = [], MIN_WIDTH
+    while w <= top:
+        widths.append(w)
+        w *= 2
+    return widths
+
+
+def bucket_shape(rows: int, width: int, *, max_rows: int, max_tokens: int | None) -> tuple[int, int]:
+    """The bucket ``(R, W)`` of a micro-batch of `rows` sequences padded to `width` tokens."""
+    w = max(MIN_WIDTH, _next_pow2(width))
+    shortest = 1 if w == MIN_WIDTH else w // 2 + 1  # the narrowest micro-batch this bucket takes
+    r = max_rows if max_tokens is None else max(1, min(max_rows, max_tokens // shortest))
+    if rows > r:
+        raise ValueError(
+            f"cuda graphs: a micro-batch of {rows} rows x {width} tokens does not fit its bucket of {r} rows x {w} "
+            f"(algo.micro_batch_size={max_rows}, algo.micro_batch_tokens={max_tokens})"
+        )
+    return r, w
+
+
+class _Logprobs(nn.Module):
+    def __init__(self, model: nn.Module, temperature: float) -> None:
+        super().__init__()
+        self.model, self.temperature = model, temperature
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        batch = TokenBatch(input_ids, attention_mask, targets, None, None, None)
+        return forward_logprobs(self.model, batch, temperature=self.temperature)[0]
+
+
+def pad_to(sub: TokenBatch, rows: int, width: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask, targets)`` of `sub` right-padded to ``[rows, width]`` (targets ``width - 1``)."""
+    n, w = sub.input_ids.shape
+    ids = sub.input_ids.new_full((rows, width), pad_id)
+    mask = sub.attention_mask.new_zeros((rows, width))
+    ids[:n, :w], mask[:n, :w] = sub.input_ids, sub.attention_mask
+    return ids, mask, ids[:, 1:].contiguous()
+
+
+class GraphedLogprobs:
+    """`forward_logprobs` of a CUDA model for the update pass, on one captured graph pair per bucket."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        temperature: float,
+        pad_id: int,
+        max_rows: int,
+        max_tokens: int | None,
+        max_width: int,
+    ) -> None:
+        device = next(model.parameters()).device
+        if device.type != "cuda":
+            raise ValueError(f"algo.cuda_graphs: the model is on {device}; CUDA graphs need a CUDA device")
+        self.model, self.pad_id = model, pad_id
+        self.max_rows, self.max_tokens = max_rows, max_tokens
+        self.buckets = sorted(
+            {bucket_shape(1, w, max_rows=max_rows, max_tokens=max_tokens) for w in bucket_widths(max_width)},
+            key=lambda rw: rw[1],
+        )
+        self._fn = _Logprobs(model, temperature)
+        self._graphs: dict[tuple[int, int], object] = {}
+        self.replays = 0
+
+    def capture_all(self) -> None:
+        """Capture every bucket (warm-up iterations included: zero the gradients afterwards)."""
+        device = next(self.model.parameters()).device
+        for r, w in self.buckets:
+            ids = torch.full((r, w), self.pad_id, dtype=torch.long, device=device)
+            mask = torch.ones((r, w), dtype=torch.long, device=device)
+            mask[:, w // 2 + 1 :] = 0  # a padded sample: the masked attention path a replay takes
+            sample = (ids, mask, ids[:, 1:].contiguous())
+            self._graphs[(r, w)] = torch.cuda.make_graphed_callables(self._fn, sample)
+        torch.cuda.synchronize(device)
+
+    def __call__(self, sub: TokenBatch, width: int) -> torch.Tensor:
+        """Log-probs ``[rows, width - 1]`` of the micro-batch `sub` (trimmed to `width`), through its bucket."""
+        rows = sub.input_ids.shape[0]
+        key = bucket_shape(rows, width, max_rows=self.max_rows, max_tokens=self.max_tokens)
+        graphed = self._graphs.get(key)
+        if graphed is None:
+            raise RuntimeError(
+                f"cuda graphs: no graph was captured for bucket {key} (rows {rows}, width {width}); the buckets "
+                f"captured are {sorted(self._graphs)} (raise rollout.max_model_len?)"
+            )
+        self.replays += 1
+        return graphed(*pad_to(sub, *key, self.pad_id))[:rows, : width - 1]

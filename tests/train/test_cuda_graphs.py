@@ -1,0 +1,99 @@
+"""CUDA graphs of the update pass (`jetrl.train.graphs`): the buckets on CPU; on an sm_90 GPU, graphed and eager
+log-probs and gradients of a padded micro-batch equal bit for bit, before and after an optimizer step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from jetrl.testing.numerics import has_sm90
+from jetrl.train.graphs import MIN_WIDTH, GraphedLogprobs, bucket_shape, bucket_widths, pad_to
+from jetrl.train.policy import TokenBatch, micro_batches
+
+
+def test_bucket_widths_cover_every_length_with_powers_of_two():
+    assert bucket_widths(1) == [64] and bucket_widths(64) == [64] and bucket_widths(65) == [64, 128]
+    assert bucket_widths(1000) == [64, 128, 256, 512, 1024]
+    for n in range(1, 1100, 7):
+        r, w = bucket_shape(1, n, max_rows=8, max_tokens=None)
+        assert r == 8 and w in bucket_widths(1100) and w >= n and (w == MIN_WIDTH or w < 2 * n)
+
+
+@pytest.mark.parametrize("max_seqs", [16, 64])
+@pytest.mark.parametrize("budget", [None, 600, 2048, 5000])
+def test_every_micro_batch_fits_its_bucket(budget, max_seqs):
+    rng = random.Random(budget)
+    for _ in range(30):
+        top = rng.choice([8, 60, 560])
+        lengths = [rng.randint(2, top) for _ in range(rng.randint(1, 150))]
+        for mb in micro_batches(lengths, list(range(len(lengths))), max_seqs=max_seqs, max_tokens=budget):
+            width = max(lengths[i] for i in mb)
+            r, w = bucket_shape(len(mb), width, max_rows=max_seqs, max_tokens=budget)
+            assert len(mb) <= r <= max_seqs and width <= w
+            if budget is not None and w > MIN_WIDTH:
+                assert r * w < 2 * budget, (r, w, budget)  # the padding a bucket adds: < 2x the budget
+
+
+def test_a_micro_batch_larger_than_its_bucket_is_named():
+    with pytest.raises(ValueError, match=r"5 rows x 600 tokens does not fit its bucket of 3 rows x 1024"):
+        bucket_shape(5, 600, max_rows=8, max_tokens=2048)
+
+
+def test_pad_to_keeps_the_rows_on_the_left_and_masks_the_rest():
+    ids = torch.tensor([[5, 6, 7], [8, 9, 0]])
+    sub = TokenBatch(ids, torch.tensor([[1, 1, 1], [1, 1, 0]]), ids[:, 1:], None, None, None)
+    pid, mask, tgt = pad_to(sub, 4, 64, pad_id=0)
+    assert pid.shape == mask.shape == (4, 64) and tgt.shape == (4, 63)
+    assert torch.equal(pid[:2, :3], ids) and int(pid[2:].sum()) == 0 and int(pid[:, 3:].sum()) == 0
+    assert int(mask.sum()) == 5 and torch.equal(tgt, pid[:, 1:])
+
+
+def test_graphs_refuse_a_cpu_model():
+    with pytest.raises(ValueError, match="algo.cuda_graphs: the model is on cpu"):
+        GraphedLogprobs(torch.nn.Linear(2, 2), temperature=1.0, pad_id=0, max_rows=2, max_tokens=None, max_width=8)
+
+
+@pytest.mark.skipif(not has_sm90(), reason="needs an sm_90 CUDA GPU (Triton FP8 kernels, DeepGEMM, CUDA graphs)")
+@pytest.mark.parametrize("recipe", ["jetrl-unified", "bf16"])
+def test_gpu_graphed_equals_eager_bit_for_bit_across_an_optimizer_step(recipe):
+    from jetrl.convert import convert_model
+    from jetrl.linear import refresh_fp8_weights_
+    from jetrl.recipe import Recipe
+    from jetrl.tiny import build_tiny_model
+    from jetrl.train.policy import MixedPrecisionAdamW, forward_logprobs
+
+    model = build_tiny_model(0).cuda().train()
+    convert_model(model, Recipe.from_name(recipe))
+    opt = MixedPrecisionAdamW(model, lr=1e-3)
+    graphed = GraphedLogprobs(model, temperature=1.0, pad_id=0, max_rows=4, max_tokens=None, max_width=100)
+    graphed.capture_all()
+    opt.zero_grad()
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 60, (3, 40), generator=gen).cuda()
+    am = torch.ones_like(ids)
+    am[1, 30:] = 0
+    sub = TokenBatch(ids, am, ids[:, 1:], None, None, None)
+    weight = torch.rand(3, 39, generator=gen).cuda()
+
+    def grads_of(logp, zero=True):
+        (logp * weight).sum().backward()
+        out = [p.main_grad.clone() for p in opt.params]
+        if zero:
+            opt.zero_grad()
+        return out
+
+    for step in range(2):
+        padded = TokenBatch(*pad_to(sub, 4, 64, pad_id=0), None, None, None)
+        eager = forward_logprobs(model, padded)[0][:3, :39]
+        g_eager = grads_of(eager)
+        lp = graphed(sub, 40)
+        g_graph = grads_of(lp, zero=False)
+        assert torch.equal(lp.detach(), eager.detach()), f"step {step}: log-probs differ"
+        for i, (a, b) in enumerate(zip(g_eager, g_graph, strict=True)):
+            assert torch.equal(a, b), f"step {step}: gradient {i} differs"
+        assert any(bool(g.abs().sum() > 0) for g in g_graph)
+        opt.step()  # with the graphed gradients; the graphs must then see the new weights
+        refresh_fp8_weights_(model)
+    assert graphed.replays == 2
