@@ -14,6 +14,12 @@ is 0; they do take part in the 128-token blocks of the wgrad operands, as the pa
 micro-batch does. Every bucket is captured once, before training (`capture_all`), because capturing runs
 warm-up iterations whose gradients land in the accumulators (the optimizer's gradients are zeroed after).
 
+Memory: all buckets share one graph memory pool, so the graphs hold about the largest bucket's activations,
+not their sum. That is safe for how the update pass replays them: a bucket's backward always follows its own
+forward before any other graph runs (a later capture may reuse what an earlier one freed, never what a graph
+keeps between its forward and backward), and the log-probs a forward returns are used up (loss, statistics)
+before the next replay overwrites them.
+
 What replay reads: the captured tensors. The inputs are copied into the graph's static input buffers; the
 BF16 parameters are updated in place by the optimizer (same storage); the FP8 weight caches must be
 updated in place too, so after every optimizer step the trainer calls `jetrl.linear.refresh_fp8_weights_`
@@ -116,12 +122,13 @@ class GraphedLogprobs:
     def capture_all(self) -> None:
         """Capture every bucket (warm-up iterations included: zero the gradients afterwards)."""
         device = next(self.model.parameters()).device
+        pool = torch.cuda.graph_pool_handle()
         for r, w in self.buckets:
             ids = torch.full((r, w), self.pad_id, dtype=torch.long, device=device)
             mask = torch.ones((r, w), dtype=torch.long, device=device)
             mask[:, w // 2 + 1 :] = 0  # a padded sample: the masked attention path a replay takes
             sample = (ids, mask, ids[:, 1:].contiguous())
-            self._graphs[(r, w)] = torch.cuda.make_graphed_callables(self._fn, sample)
+            self._graphs[(r, w)] = torch.cuda.make_graphed_callables(self._fn, sample, pool=pool)
         torch.cuda.synchronize(device)
 
     def __call__(self, sub: TokenBatch, width: int) -> torch.Tensor:
