@@ -12,7 +12,8 @@ bucket takes the micro-batch size). Padding
 rows and columns have attention mask 0 and their log-probs are cut off before the loss, so their gradient
 is 0; they do take part in the 128-token blocks of the wgrad operands, as the padding of an eager
 micro-batch does. Every bucket is captured once, before training (`capture_all`), because capturing runs
-warm-up iterations whose gradients land in the accumulators (the optimizer's gradients are zeroed after).
+warm-up iterations whose gradients land in the accumulators (the optimizer's gradients are zeroed after)
+and whose uninitialised output gradients may trip the kernels' non-finite flags (cleared after).
 
 Memory: all buckets share one graph memory pool, so the graphs hold about the largest bucket's activations,
 not their sum. That is safe for how the update pass replays them: a bucket's backward always follows its own
@@ -128,8 +129,16 @@ class GraphedLogprobs:
             mask = torch.ones((r, w), dtype=torch.long, device=device)
             mask[:, w // 2 + 1 :] = 0  # a padded sample: the masked attention path a replay takes
             sample = (ids, mask, ids[:, 1:].contiguous())
-            self._graphs[(r, w)] = torch.cuda.make_graphed_callables(self._fn, sample, pool=pool)
+            # allow_unused_input: an FP8 Linear's weight gets no autograd gradient (its wgrad goes to main_grad)
+            self._graphs[(r, w)] = torch.cuda.make_graphed_callables(
+                self._fn, sample, pool=pool, allow_unused_input=True
+            )
         torch.cuda.synchronize(device)
+        # the warm-up backward runs on uninitialised output gradients (torch.empty_like): whatever non-finite
+        # values it met must not be reported as the first step's
+        from jetrl.kernels import reset_nonfinite
+
+        reset_nonfinite()
 
     def __call__(self, sub: TokenBatch, width: int) -> torch.Tensor:
         """Log-probs ``[rows, width - 1]`` of the micro-batch `sub` (trimmed to `width`), through its bucket."""
