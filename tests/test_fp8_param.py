@@ -63,3 +63,23 @@ def test_fp8_params_train_and_requantize_once_per_step():
 def test_fp8_params_needs_converted_model():
     with pytest.raises(ValueError, match="no JetFP8Linear"):
         enable_fp8_params(tiny_qwen3())
+
+
+def test_refresh_in_fp8_param_mode_rewrites_the_transposed_copy_in_place():
+    from jetrl.linear import refresh_fp8_weights_
+
+    model = tiny_qwen3(seed=2, dtype=torch.float32)
+    convert_model(model, "jetrl-unified", backend="emulated")
+    fp8 = enable_fp8_params(model)
+    mod = model.get_submodule("model.layers.0.mlp.up_proj")
+    mod._fp8_operands(with_transpose=True)
+    _, _, _, q_t, s_t = mod._cache
+    master = dict(fp8.named_master_parameters())["model.layers.0.mlp.up_proj.weight"]
+    with torch.no_grad():
+        master.mul_(-2.0)
+    fp8.requantize()
+    refresh_fp8_weights_(model)
+    _, q, s, q_t2, s_t2 = mod._cache
+    assert q is mod.weight and s is mod.weight_scale_inv and q_t2 is q_t and s_t2 is s_t
+    assert torch.equal(q_t.view(torch.uint8), mod.weight.t().contiguous().view(torch.uint8))
+    assert torch.equal(s_t, mod.weight_scale_inv.t()) and mod.weight_quantizations == 0
