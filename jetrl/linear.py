@@ -333,25 +333,24 @@ class JetFP8Linear(nn.Linear):
         )
 
 
-def invalidate_fp8_caches(model: nn.Module) -> int:
-    """Drop every JetFP8Linear's cached fp8 weight; returns how many modules were reset."""
+def _each_fp8_linear(model: nn.Module, method: str) -> int:
     n = 0
     for m in model.modules():
         if isinstance(m, JetFP8Linear):
-            m.invalidate_fp8_weight()
+            getattr(m, method)()
             n += 1
     return n
+
+
+def invalidate_fp8_caches(model: nn.Module) -> int:
+    """Drop every JetFP8Linear's cached fp8 weight; returns how many modules were reset."""
+    return _each_fp8_linear(model, "invalidate_fp8_weight")
 
 
 def refresh_fp8_weights_(model: nn.Module) -> int:
     """`JetFP8Linear.refresh_fp8_weight_` on every FP8 Linear of `model` (after an optimizer step, before CUDA
     graphs that read the cached weights replay); returns how many modules were refreshed."""
-    n = 0
-    for m in model.modules():
-        if isinstance(m, JetFP8Linear):
-            m.refresh_fp8_weight_()
-            n += 1
-    return n
+    return _each_fp8_linear(model, "refresh_fp8_weight_")
 
 
 def invalidate_on_step(optimizer: torch.optim.Optimizer, model: nn.Module):

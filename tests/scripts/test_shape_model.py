@@ -31,6 +31,8 @@ def test_shape_is_the_shipped_config_with_fewer_layers_and_the_tokenizer_s_ids(s
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size"):
         assert getattr(cfg, key) == shipped[key], key
     assert cfg.tie_word_embeddings == shipped.get("tie_word_embeddings", False)
+    if shape == "llama3.1-8b":
+        assert cfg.rope_scaling["rope_type"] == "llama3"
     tok = CharTokenizer(chat=True)
     assert (cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id) == (tok.pad_id, tok.bos_id, tok.eos_id)
     assert sm.shape_config(shape, shipped["num_hidden_layers"]).num_hidden_layers == shipped["num_hidden_layers"]
