@@ -231,9 +231,10 @@ class AlgoConfig:
     trimmed to its longest sequence, and the loss is normalized by the whole mini-batch, so the
     gradient does not depend on the partition. Must be >= rollout.max_tokens + 1."""
     cuda_graphs: bool = False
-    """Run the update pass's micro-batch forward + backward on CUDA graphs, one per shape bucket, captured
-    before training (`jetrl.train.graphs`: the FP8 Linears' host cost gone; log-probs and gradients equal
-    to eager mode's on the same padded shapes). Needs run.device 'cuda'; off = eager (the default)."""
+    """Run the trainer's micro-batches (the update pass's forward + backward, the old-log-prob pass's forward)
+    on CUDA graphs, one per shape bucket, captured before training (`jetrl.train.graphs`: the FP8 Linears'
+    host cost gone; log-probs and gradients equal to eager mode's on the same padded shapes). Needs
+    run.device 'cuda'; off = eager (the default)."""
     old_logp: str = "trainer"
     """PPO anchor log-probs: 'trainer' (recomputed with the synced weights) or 'rollout' (the engine's)."""
     tis_cap: float | None = None

@@ -1,25 +1,27 @@
-"""The update pass's micro-batch forward + backward on CUDA graphs (``algo.cuda_graphs``, issue 19).
+"""The trainer's micro-batches on CUDA graphs (``algo.cuda_graphs``, issue 19): the update pass's forward +
+backward, and the old-log-prob pass's forward.
 
 Why: every FP8 Linear's forward + backward costs 1.3-1.8 ms of host time in eager mode (Triton launches,
 DeepGEMM calls, autograd; ``scripts/results/host-nvidia-h200.json``), more than its GPU time at RL micro-batch
 sizes, so the FP8 training phase is host-bound. A replayed CUDA graph issues the whole model's kernels at once.
 
-How: `GraphedLogprobs` keeps one graph pair (forward, backward: `torch.cuda.make_graphed_callables`) per shape
-bucket. A micro-batch ``[rows, width]`` is padded on the right to the bucket ``[R, W]``: ``W`` the next power
-of two >= width (at least `MIN_WIDTH`), ``R`` the micro-batch size, or with a token budget the most rows a
-micro-batch of that bucket can have (``budget // (W // 2 + 1)``, capped by the micro-batch size; the narrowest
-bucket takes the micro-batch size). Padding
-rows and columns have attention mask 0 and their log-probs are cut off before the loss, so their gradient
-is 0; they do take part in the 128-token blocks of the wgrad operands, as the padding of an eager
-micro-batch does. Every bucket is captured once, before training (`capture_all`), because capturing runs
-warm-up iterations whose gradients land in the accumulators (the optimizer's gradients are zeroed after)
-and whose uninitialised output gradients may trip the kernels' non-finite flags (cleared after).
+How: `GraphedLogprobs` keeps, per shape bucket, one graph pair (forward, backward:
+`torch.cuda.make_graphed_callables`) and one no-grad forward graph (log-probs and entropies). A micro-batch
+``[rows, width]`` is padded on the right to the bucket ``[R, W]``: ``W`` the next power of two >= width (at
+least `MIN_WIDTH`), ``R`` the micro-batch size, or with a token budget the most rows a micro-batch of that
+bucket can have (``budget // (W // 2 + 1)``, capped by the micro-batch size; the narrowest bucket takes the
+micro-batch size). Padding rows and columns have attention mask 0 and their log-probs are cut off before
+the loss, so their gradient is 0; they do take part in the 128-token blocks of the wgrad operands, as the
+padding of an eager micro-batch does. Every bucket is captured once, before training (`capture_all`),
+because capturing runs warm-up iterations whose gradients land in the accumulators (the optimizer's
+gradients are zeroed after) and whose uninitialised output gradients may trip the kernels' non-finite
+flags (cleared after).
 
-Memory: all buckets share one graph memory pool, so the graphs hold about the largest bucket's activations,
-not their sum. That is safe for how the update pass replays them: a bucket's backward always follows its own
+Memory: all graphs share one graph memory pool, so they hold about the largest bucket's activations, not
+their sum. That is safe for how the trainer replays them: a bucket's backward always follows its own
 forward before any other graph runs (a later capture may reuse what an earlier one freed, never what a graph
-keeps between its forward and backward), and the log-probs a forward returns are used up (loss, statistics)
-before the next replay overwrites them.
+keeps between its forward and backward), and the log-probs a forward returns are used up (loss, statistics,
+the copy into the batch's old log-probs) before the next replay overwrites them.
 
 What replay reads: the captured tensors. The inputs are copied into the graph's static input buffers; the
 BF16 parameters are updated in place by the optimizer (same storage); the FP8 weight caches must be
@@ -76,13 +78,36 @@ def bucket_shape(rows: int, width: int, *, max_rows: int, max_tokens: int | None
 
 
 class _Logprobs(nn.Module):
-    def __init__(self, model: nn.Module, temperature: float) -> None:
+    def __init__(self, model: nn.Module, temperature: float, with_entropy: bool = False) -> None:
         super().__init__()
-        self.model, self.temperature = model, temperature
+        self.model, self.temperature, self.with_entropy = model, temperature, with_entropy
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor):
         batch = TokenBatch(input_ids, attention_mask, targets, None, None, None)
-        return forward_logprobs(self.model, batch, temperature=self.temperature)[0]
+        lp, ent = forward_logprobs(self.model, batch, temperature=self.temperature, with_entropy=self.with_entropy)
+        return (lp, ent) if self.with_entropy else lp
+
+
+class _NoGradGraph:
+    """One captured no-grad forward (log-probs and entropies) with static inputs."""
+
+    def __init__(self, fn: _Logprobs, sample: tuple[torch.Tensor, ...], pool) -> None:
+        self.inputs = tuple(t.clone() for t in sample)
+        with torch.no_grad():
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up outside the capture (lazy initialisation, autotuning)
+                fn(*self.inputs)
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.outputs = fn(*self.inputs)
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        for dst, src in zip(self.inputs, inputs, strict=True):
+            dst.copy_(src)
+        self.graph.replay()
+        return self.outputs
 
 
 def pad_to(sub: TokenBatch, rows: int, width: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -117,7 +142,9 @@ class GraphedLogprobs:
             key=lambda rw: rw[1],
         )
         self._fn = _Logprobs(model, temperature)
+        self._fn_nograd = _Logprobs(model, temperature, with_entropy=True)
         self._graphs: dict[tuple[int, int], object] = {}
+        self._nograd: dict[tuple[int, int], _NoGradGraph] = {}
         self.replays = 0
 
     def capture_all(self) -> None:
@@ -133,6 +160,7 @@ class GraphedLogprobs:
             self._graphs[(r, w)] = torch.cuda.make_graphed_callables(
                 self._fn, sample, pool=pool, allow_unused_input=True
             )
+            self._nograd[(r, w)] = _NoGradGraph(self._fn_nograd, sample, pool)
         torch.cuda.synchronize(device)
         # the warm-up backward runs on uninitialised output gradients (torch.empty_like): whatever non-finite
         # values it met must not be reported as the first step's
@@ -140,15 +168,27 @@ class GraphedLogprobs:
 
         reset_nonfinite()
 
-    def __call__(self, sub: TokenBatch, width: int) -> torch.Tensor:
-        """Log-probs ``[rows, width - 1]`` of the micro-batch `sub` (trimmed to `width`), through its bucket."""
+    def _bucket(self, sub: TokenBatch, width: int) -> tuple[int, int]:
         rows = sub.input_ids.shape[0]
         key = bucket_shape(rows, width, max_rows=self.max_rows, max_tokens=self.max_tokens)
-        graphed = self._graphs.get(key)
-        if graphed is None:
+        if key not in self._graphs:
             raise RuntimeError(
                 f"cuda graphs: no graph was captured for bucket {key} (rows {rows}, width {width}); the buckets "
                 f"captured are {sorted(self._graphs)} (raise rollout.max_model_len?)"
             )
         self.replays += 1
-        return graphed(*pad_to(sub, *key, self.pad_id))[:rows, : width - 1]
+        return key
+
+    def __call__(self, sub: TokenBatch, width: int) -> torch.Tensor:
+        """Log-probs ``[rows, width - 1]`` of the micro-batch `sub` (trimmed to `width`), through its bucket;
+        backward replays the bucket's backward graph."""
+        key = self._bucket(sub, width)
+        return self._graphs[key](*pad_to(sub, *key, self.pad_id))[: len(sub), : width - 1]
+
+    def no_grad(self, sub: TokenBatch, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs, entropies) ``[rows, width - 1]`` of `sub` without autograd (the old-log-prob pass),
+        through the bucket's forward-only graph. The results are views of the graph's outputs: use them before
+        the next replay."""
+        key = self._bucket(sub, width)
+        lp, ent = self._nograd[key](*pad_to(sub, *key, self.pad_id))
+        return lp[: len(sub), : width - 1], ent[: len(sub), : width - 1]

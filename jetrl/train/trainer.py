@@ -498,10 +498,14 @@ class Trainer:
         ref_lp = torch.zeros_like(batch.rollout_logp) if self.ref_model is not None else None
         with torch.no_grad():
             for mb in self._micro_batches(lengths, all_idx):
-                sub = batch.select(mb).trim(max(lengths[i] for i in mb))
+                width = max(lengths[i] for i in mb)
+                sub = batch.select(mb).trim(width)
                 w = sub.mask.shape[1]
-                lp, e = forward_logprobs(self.model, sub, temperature=temp, with_entropy=True)
-                old_lp[mb, :w], ent[mb, :w] = lp, e
+                if self.graphed is not None:
+                    lp, e = self.graphed.no_grad(sub, width)
+                else:
+                    lp, e = forward_logprobs(self.model, sub, temperature=temp, with_entropy=True)
+                old_lp[mb, :w], ent[mb, :w] = lp, e  # copied out before the next replay
                 if ref_lp is not None:
                     ref_lp[mb, :w], _ = forward_logprobs(self.ref_model, sub, temperature=temp)
         out = dict(algo.mismatch_metrics(old_lp, batch.rollout_logp, batch.mask))
