@@ -141,8 +141,7 @@ class GraphedLogprobs:
             {bucket_shape(1, w, max_rows=max_rows, max_tokens=max_tokens) for w in bucket_widths(max_width)},
             key=lambda rw: rw[1],
         )
-        self._fn = _Logprobs(model, temperature)
-        self._fn_nograd = _Logprobs(model, temperature, with_entropy=True)
+        self.temperature = temperature
         self._graphs: dict[tuple[int, int], object] = {}
         self._nograd: dict[tuple[int, int], _NoGradGraph] = {}
         self.replays = 0
@@ -156,11 +155,13 @@ class GraphedLogprobs:
             mask = torch.ones((r, w), dtype=torch.long, device=device)
             mask[:, w // 2 + 1 :] = 0  # a padded sample: the masked attention path a replay takes
             sample = (ids, mask, ids[:, 1:].contiguous())
+            # a wrapper of its own per bucket: make_graphed_callables replaces the module's forward with the graph;
             # allow_unused_input: an FP8 Linear's weight gets no autograd gradient (its wgrad goes to main_grad)
             self._graphs[(r, w)] = torch.cuda.make_graphed_callables(
-                self._fn, sample, pool=pool, allow_unused_input=True
+                _Logprobs(self.model, self.temperature), sample, pool=pool, allow_unused_input=True
             )
-            self._nograd[(r, w)] = _NoGradGraph(self._fn_nograd, sample, pool)
+            forward_only = _Logprobs(self.model, self.temperature, with_entropy=True)
+            self._nograd[(r, w)] = _NoGradGraph(forward_only, sample, pool)
         torch.cuda.synchronize(device)
         # the warm-up backward runs on uninitialised output gradients (torch.empty_like): whatever non-finite
         # values it met must not be reported as the first step's
