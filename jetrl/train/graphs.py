@@ -119,6 +119,12 @@ def pad_to(sub: TokenBatch, rows: int, width: int, pad_id: int) -> tuple[torch.T
     return ids, mask, ids[:, 1:].contiguous()
 
 
+def _require_cuda(model: nn.Module) -> None:
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        raise ValueError(f"algo.cuda_graphs: the model is on {device}; CUDA graphs need a CUDA device")
+
+
 class GraphedLogprobs:
     """`forward_logprobs` of a CUDA model for the update pass, on one captured graph pair per bucket."""
 
@@ -132,9 +138,7 @@ class GraphedLogprobs:
         max_tokens: int | None,
         max_width: int,
     ) -> None:
-        device = next(model.parameters()).device
-        if device.type != "cuda":
-            raise ValueError(f"algo.cuda_graphs: the model is on {device}; CUDA graphs need a CUDA device")
+        _require_cuda(model)
         self.model, self.pad_id = model, pad_id
         self.max_rows, self.max_tokens = max_rows, max_tokens
         self.buckets = sorted(
@@ -177,13 +181,13 @@ class GraphedLogprobs:
                 f"cuda graphs: no graph was captured for bucket {key} (rows {rows}, width {width}); the buckets "
                 f"captured are {sorted(self._graphs)} (raise rollout.max_model_len?)"
             )
-        self.replays += 1
         return key
 
     def __call__(self, sub: TokenBatch, width: int) -> torch.Tensor:
         """Log-probs ``[rows, width - 1]`` of the micro-batch `sub` (trimmed to `width`), through its bucket;
         backward replays the bucket's backward graph."""
         key = self._bucket(sub, width)
+        self.replays += 1
         return self._graphs[key](*pad_to(sub, *key, self.pad_id))[: len(sub), : width - 1]
 
     def no_grad(self, sub: TokenBatch, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,5 +195,6 @@ class GraphedLogprobs:
         through the bucket's forward-only graph. The results are views of the graph's outputs: use them before
         the next replay."""
         key = self._bucket(sub, width)
+        self.replays += 1
         lp, ent = self._nograd[key](*pad_to(sub, *key, self.pad_id))
         return lp[: len(sub), : width - 1], ent[: len(sub), : width - 1]

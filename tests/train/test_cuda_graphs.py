@@ -56,6 +56,64 @@ def test_graphs_refuse_a_cpu_model():
         GraphedLogprobs(torch.nn.Linear(2, 2), temperature=1.0, pad_id=0, max_rows=2, max_tokens=None, max_width=8)
 
 
+def test_plumbing_on_cpu_with_stand_ins_for_the_capture(monkeypatch):
+    """The bookkeeping around the captures, on CPU: stand-ins that behave like torch's (make_graphed_callables
+    replaces the module's forward and refuses other shapes than the sample's; a no-grad graph replays its
+    sample's shapes only) run eagerly. Each bucket must get its own wrapper, the micro-batch is padded to its
+    bucket and cut back, gradients reach the accumulators, and eager results come out."""
+    import jetrl.train.graphs as graphs
+    from jetrl.convert import convert_model
+    from jetrl.tiny import build_tiny_model
+    from jetrl.train.policy import MixedPrecisionAdamW, forward_logprobs
+
+    def fake_make_graphed_callables(module, sample, pool=None, allow_unused_input=False):
+        assert pool == "pool" and allow_unused_input and isinstance(module, torch.nn.Module)
+        orig, shapes = module.forward, [t.shape for t in sample]
+
+        def forward(*args):
+            assert [a.shape for a in args] == shapes, "a graph replayed with other shapes than it was captured with"
+            return orig(*args)
+
+        module.forward = forward
+        return module
+
+    class FakeNoGrad:
+        def __init__(self, fn, sample, pool):
+            self.fn, self.shapes = fn, [t.shape for t in sample]
+
+        def __call__(self, *args):
+            assert [a.shape for a in args] == self.shapes
+            with torch.no_grad():
+                return self.fn(*args)
+
+    monkeypatch.setattr(graphs, "_require_cuda", lambda model: None)
+    monkeypatch.setattr(graphs, "_NoGradGraph", FakeNoGrad)
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", fake_make_graphed_callables)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    model = build_tiny_model(0)
+    convert_model(model, "jetrl-unified", backend="emulated")
+    opt = MixedPrecisionAdamW(model, lr=1e-3)
+    g = GraphedLogprobs(model, temperature=1.0, pad_id=0, max_rows=4, max_tokens=None, max_width=100)
+    g.capture_all()
+    assert sorted(g._graphs) == [(4, 64), (4, 128)] and len({id(m) for m in g._graphs.values()}) == 2
+    opt.zero_grad()
+    gen = torch.Generator().manual_seed(0)
+    for rows, width in ((3, 40), (2, 90)):
+        ids = torch.randint(3, 60, (rows, width), generator=gen)
+        sub = TokenBatch(ids, torch.ones_like(ids), ids[:, 1:], None, None, None)
+        lp = g(sub, width)
+        assert lp.shape == (rows, width - 1) and lp.requires_grad
+        want = forward_logprobs(model, TokenBatch(*pad_to(sub, *g._bucket(sub, width), 0), None, None, None))[0]
+        assert torch.equal(lp.detach(), want[:rows, : width - 1].detach())
+        lp.sum().backward()
+        assert all(bool(p.main_grad.abs().sum() > 0) for p in opt.params[:3])
+        opt.zero_grad()
+        lp_ng, ent = g.no_grad(sub, width)
+        assert torch.equal(lp_ng, lp.detach()) and ent.shape == lp.shape and not lp_ng.requires_grad
+    assert g.replays == 4
+
+
 @pytest.mark.skipif(not has_sm90(), reason="needs an sm_90 CUDA GPU (Triton FP8 kernels, DeepGEMM, CUDA graphs)")
 @pytest.mark.parametrize("recipe", ["jetrl-unified", "bf16"])
 def test_gpu_graphed_equals_eager_bit_for_bit_across_an_optimizer_step(recipe):
