@@ -12,8 +12,7 @@ Per step it keeps, from verl's file logger (``trainer.logger`` gains ``file``): 
 other numeric metric of the step is kept under ``metrics``. A recipe whose run fails is recorded with its exit
 code and the tail of its log (the other recipes still run); the exit code is then 1. A run stopped before it
 ends (``--recipe-timeout``, or SIGTERM from a device call's time limit, which also ends the benchmark) keeps the
-steps it logged, and the JSON is written. Prints a table
-last.
+steps it logged, and the JSON is written. Prints a table last.
 """
 
 from __future__ import annotations
