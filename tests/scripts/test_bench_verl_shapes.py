@@ -62,8 +62,10 @@ def test_bad_options(bench, tmp_path, capsys, argv, match):
 
 
 @pytest.mark.slow
-def test_dry_run_validates_a_dapo_recipe_on_the_shape_s_config(bench, tmp_path):
+def test_dry_run_validates_a_dapo_recipe_on_the_shape_s_config(bench, tmp_path, monkeypatch):
     pytest.importorskip("verl", reason="the recipes' dry run is python -m jetrl.verl")
+    # the recipes run in plain processes: without the verl tests' CPU platform (registered in this process only)
+    monkeypatch.delenv("VERL_PLATFORM", raising=False)
     out = tmp_path / "s.json"
     rc = bench.main(
         ["--dry-run", "--shapes", "qwen3-8b-base", "--layers", "2", "--out", str(out), "--work", str(tmp_path / "w")]
