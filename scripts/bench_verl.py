@@ -74,10 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("overrides", nargs="*", help="hydra overrides forwarded to every run (after --)")
     args = p.parse_args(argv)
-    args.recipes = [r for r in args.recipes.split(",") if r]
-    bad = [r for r in args.recipes if r not in RECIPES]
-    if bad or not args.recipes:
-        p.error(f"--recipes: unknown {bad}; choose from {RECIPES}")
+    args.recipes = comma_list(p, args.recipes, RECIPES, "--recipes")
     if args.steps <= 0:
         p.error(f"--steps must be > 0, got {args.steps}")
     return args
@@ -163,7 +160,7 @@ def _note_sigterm(signum, frame):
 
 
 @contextlib.contextmanager
-def sigterm_stops():
+def _sigterm_stops():
     """Inside, SIGTERM stops the running recipe (`run_child` returns why) instead of killing the benchmark."""
     _SigTerm.noted = False
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
@@ -173,9 +170,24 @@ def sigterm_stops():
         signal.signal(signal.SIGTERM, previous)
 
 
-def sigterm_came(run: dict) -> bool:
-    """Whether the benchmark got SIGTERM during or after `run` (then it writes what it has and ends)."""
-    return _SigTerm.noted or run.get("error", "").startswith("stopped by SIGTERM")
+def run_each(names: list[str], run_one, result: dict, out: Path) -> None:
+    """``result["runs"].append(run_one(name))`` for each name, `out` rewritten after each; a SIGTERM (during a
+    run or while one is stopped) ends the loop after that run is written."""
+    with _sigterm_stops():
+        for name in names:
+            result["runs"].append(run_one(name))
+            out.write_text(json.dumps(result, indent=1))
+            if _SigTerm.noted or result["runs"][-1].get("error", "").startswith("stopped by SIGTERM"):
+                break
+
+
+def comma_list(p: argparse.ArgumentParser, raw: str, allowed, option: str) -> list[str]:
+    """The non-empty items of a comma-separated `option`, each one of `allowed` (else `p.error` naming them)."""
+    items = [x for x in raw.split(",") if x]
+    bad = [x for x in items if x not in allowed]
+    if bad or not items:
+        p.error(f"{option}: unknown {bad}; choose from {tuple(allowed)}")
+    return items
 
 
 def recipe_command(args, recipe: str, jsonl: Path) -> tuple[list[str], dict[str, str], str]:
@@ -329,12 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
         "runs": [],
     }
-    with sigterm_stops():
-        for recipe in args.recipes:
-            result["runs"].append(run_recipe(args, recipe, logdir))
-            args.out.write_text(json.dumps(result, indent=1))
-            if sigterm_came(result["runs"][-1]):
-                break
+    run_each(args.recipes, lambda recipe: run_recipe(args, recipe, logdir), result, args.out)
     finish(result, args.out)
     print(f"logs in {logdir}")
     return 1 if any("error" in r for r in result["runs"]) else 0

@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 import benchmeta
-from bench_verl import LOG_TAIL, record, run_child, sigterm_came, sigterm_stops
-from shape_model import DEFAULT_LAYERS, SHAPES, shape_config, tokenizer_for, write_shape_model
+from bench_verl import LOG_TAIL, comma_list, record, run_child, run_each
+from shape_model import DEFAULT_LAYERS, shape_config, tokenizer_for, write_shape_model
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE_RECIPES = {
@@ -199,10 +199,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="config + tokenizer only, the recipes with DRY_RUN=1")
     p.add_argument("overrides", nargs="*", help="hydra overrides forwarded to every run (after --)")
     args = p.parse_args(argv)
-    args.shapes = [s for s in args.shapes.split(",") if s]
-    bad = [s for s in args.shapes if s not in SHAPE_RECIPES]
-    if bad or not args.shapes:
-        p.error(f"--shapes: unknown {bad}; choose from {tuple(SHAPE_RECIPES)} (of {SHAPES})")
+    args.shapes = comma_list(p, args.shapes, SHAPE_RECIPES, "--shapes")
     if args.steps <= 0:
         p.error(f"--steps must be > 0, got {args.steps}")
     for shape in args.shapes:
@@ -225,13 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.response_len}-token responses",
         "runs": [],
     }
-    with sigterm_stops():
-        for shape in args.shapes:
-            result["runs"].append(run_shape(args, shape, logdir))
-            args.out.write_text(json.dumps(result, indent=1))
-            if sigterm_came(result["runs"][-1]):
-                break
-    args.out.write_text(json.dumps(result, indent=1))
+    run_each(args.shapes, lambda shape: run_shape(args, shape, logdir), result, args.out)
     print(table(result))
     print(f"wrote {args.out}\nlogs in {logdir}")
     return 1 if any("error" in r for r in result["runs"]) else 0
