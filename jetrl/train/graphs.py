@@ -10,9 +10,12 @@ How: `GraphedLogprobs` keeps, per shape bucket, one graph pair (forward, backwar
 ``[rows, width]`` is padded on the right to the bucket ``[R, W]``: ``W`` the next power of two >= width (at
 least `MIN_WIDTH`), ``R`` the micro-batch size, or with a token budget the most rows a micro-batch of that
 bucket can have (``budget // (W // 2 + 1)``, capped by the micro-batch size; the narrowest bucket takes the
-micro-batch size). Padding rows and columns have attention mask 0 and their log-probs are cut off before
-the loss, so their gradient is 0; they do take part in the 128-token blocks of the wgrad operands, as the
-padding of an eager micro-batch does. Every bucket is captured once, before training (`capture_all`),
+micro-batch size). Padding columns have attention mask 0; a padding row attends to its first token only
+(no attention row may be fully masked: on the GPU, SDPA's softmax over a row of -inf is NaN, and its
+backward spreads that NaN into every q/k/v wgrad even though the row's log-probs are cut off: found on the
+H200 by the GPU test). The log-probs of padding rows and columns are cut off before the loss, so their
+gradient is 0; they do take part in the 128-token blocks of the wgrad operands, as the padding of an eager
+micro-batch does. Every bucket is captured once, before training (`capture_all`),
 because capturing runs warm-up iterations whose gradients land in the accumulators (the optimizer's
 gradients are zeroed after) and whose uninitialised output gradients may trip the kernels' non-finite
 flags (cleared after).
@@ -111,11 +114,13 @@ class _NoGradGraph:
 
 
 def pad_to(sub: TokenBatch, rows: int, width: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(input_ids, attention_mask, targets)`` of `sub` right-padded to ``[rows, width]`` (targets ``width - 1``)."""
+    """``(input_ids, attention_mask, targets)`` of `sub` right-padded to ``[rows, width]`` (targets ``width - 1``);
+    a padding row attends to its first token, so that no attention row is fully masked (module doc)."""
     n, w = sub.input_ids.shape
     ids = sub.input_ids.new_full((rows, width), pad_id)
     mask = sub.attention_mask.new_zeros((rows, width))
     ids[:n, :w], mask[:n, :w] = sub.input_ids, sub.attention_mask
+    mask[n:, 0] = 1
     return ids, mask, ids[:, 1:].contiguous()
 
 

@@ -48,7 +48,21 @@ def test_pad_to_keeps_the_rows_on_the_left_and_masks_the_rest():
     pid, mask, tgt = pad_to(sub, 4, 64, pad_id=0)
     assert pid.shape == mask.shape == (4, 64) and tgt.shape == (4, 63)
     assert torch.equal(pid[:2, :3], ids) and int(pid[2:].sum()) == 0 and int(pid[:, 3:].sum()) == 0
-    assert int(mask.sum()) == 5 and torch.equal(tgt, pid[:, 1:])
+    assert int(mask.sum()) == 7 and torch.equal(mask[2:], torch.tensor([[1] + [0] * 63] * 2))
+    assert torch.equal(tgt, pid[:, 1:])
+
+
+def test_no_padded_micro_batch_has_a_fully_masked_attention_row():
+    """A fully masked row makes the GPU's SDPA NaN (forward and backward): the H200 test's bf16 wgrads were NaN
+    while padding rows had mask 0 everywhere."""
+    for rows, width in ((1, 1), (2, 5), (3, 64)):
+        ids = torch.randint(3, 60, (rows, width))
+        mask = torch.ones_like(ids)
+        mask[-1, 1:] = 0
+        sub = TokenBatch(ids, mask, ids[:, 1:], None, None, None)
+        for r, w in ((rows, 64), (rows + 3, 128)):
+            _, padded, _ = pad_to(sub, r, w, pad_id=0)
+            assert bool((padded.sum(1) > 0).all()), (rows, width, r, w)
 
 
 def test_graphs_refuse_a_cpu_model():
@@ -151,6 +165,7 @@ def test_gpu_graphed_equals_eager_bit_for_bit_across_an_optimizer_step(recipe):
         assert torch.equal(g_lp, lp_ng[:3, :39]) and torch.equal(g_ent, ent_ng[:3, :39]), f"step {step}: no-grad"
         eager = forward_logprobs(model, padded)[0][:3, :39]
         g_eager = grads_of(eager)
+        assert all(bool(g.isfinite().all()) for g in g_eager), f"step {step}: an eager gradient is not finite"
         lp = graphed(sub, 40)
         g_graph = grads_of(lp, zero=False)
         assert torch.equal(lp.detach(), eager.detach()), f"step {step}: log-probs differ"
