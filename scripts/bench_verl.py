@@ -66,6 +66,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "recipes run in separate device calls",
     )
     p.add_argument(
+        "--note",
+        help="recorded as the result's `note`: what did not run and why (e.g. a recipe cut by the device's budget)",
+    )
+    p.add_argument(
         "--recipe-timeout",
         type=float,
         metavar="S",
@@ -190,6 +194,15 @@ def comma_list(p: argparse.ArgumentParser, raw: str, allowed, option: str) -> li
     return items
 
 
+NAIVE_OVERRIDES = (
+    # the baseline is off-policy by construction: the lint reports it (kept in the log) and the run goes on
+    "jetrl.proceed_on_lint_violation=true",
+    # stock vLLM FP8 JIT-compiles DeepGEMM for every M it may meet before serving (3 min 10 s on the H200, more
+    # than a device call can spare); skipped, the kernels a run uses compile when first called (step 1's time)
+    "++ray_kwargs.ray_init.runtime_env.env_vars.VLLM_DEEP_GEMM_WARMUP=skip",
+)
+
+
 def recipe_command(args, recipe: str, jsonl: Path) -> tuple[list[str], dict[str, str], str]:
     """The recipe's argv, its environment, and the command line as recorded."""
     argv = [
@@ -198,8 +211,7 @@ def recipe_command(args, recipe: str, jsonl: Path) -> tuple[list[str], dict[str,
         'trainer.logger=["console","file"]',
         "++ray_kwargs.ray_init.include_dashboard=False",
         f"++ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={jsonl}",
-        # the baseline is off-policy by construction: the lint reports it (kept in the log) and the run goes on
-        *(["jetrl.proceed_on_lint_violation=true"] if recipe == "naive-fp8-rollout" else []),
+        *(NAIVE_OVERRIDES if recipe == "naive-fp8-rollout" else ()),
         *args.overrides,
     ]
     shown = {"RECIPE": recipe, "STEPS": str(args.steps), "SEED": str(args.seed)}
@@ -312,15 +324,28 @@ def merge(paths: list[Path]) -> dict:
     return result
 
 
-def finish(result: dict, out: Path) -> None:
+RATIOS = {
+    "naive-fp8-rollout": ("unified_over_naive_mean_dlogp", "naive"),
+    "bf16": ("unified_over_bf16_mean_dlogp", "bf16"),
+}
+"""Baseline -> (result key, printed name) of jetrl-unified's mean |dlogp| over the baseline's."""
+
+
+def finish(result: dict, out: Path, note: str | None = None) -> None:
     runs = {r["recipe"]: r["summary"] for r in result["runs"]}
     key = "mismatch/logp_abs_diff_mean (mean over steps)"
-    if runs.get("jetrl-unified", {}).get(key) and runs.get("naive-fp8-rollout", {}).get(key):
-        result["unified_over_naive_mean_dlogp"] = runs["jetrl-unified"][key] / runs["naive-fp8-rollout"][key]
+    unified = runs.get("jetrl-unified", {}).get(key)
+    ratios = {}
+    for base, (name, shown) in RATIOS.items():
+        result.pop(name, None)  # a merged file's ratio may be stale
+        if unified and runs.get(base, {}).get(key):
+            result[name] = ratios[shown] = unified / runs[base][key]
+    if note:
+        result["note"] = note
     out.write_text(json.dumps(result, indent=1))
     print(table(result))
-    if "unified_over_naive_mean_dlogp" in result:
-        print(f"unified / naive mean |dlogp|: {result['unified_over_naive_mean_dlogp']:.3g}")
+    for shown, ratio in ratios.items():
+        print(f"unified / {shown} mean |dlogp|: {ratio:.3g}")
     print(f"wrote {out}")
 
 
@@ -329,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     if args.merge:
         result = merge(args.merge)
-        finish(result, args.out)
+        finish(result, args.out, args.note)
         return 1 if any("error" in r for r in result["runs"]) else 0
     logdir = args.out.parent / (args.out.stem + "-logs")
     logdir.mkdir(exist_ok=True)
@@ -342,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [],
     }
     run_each(args.recipes, lambda recipe: run_recipe(args, recipe, logdir), result, args.out)
-    finish(result, args.out)
+    finish(result, args.out, args.note)
     print(f"logs in {logdir}")
     return 1 if any("error" in r for r in result["runs"]) else 0
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from jetrl.testing.subprocess_guard import HANG_GUARD_S
 
-__all__ = ["RECIPES_DIR", "verl_recipes", "recipe_argv", "overrides_dict"]
+__all__ = ["RECIPES_DIR", "compose_verl", "verl_recipes", "recipe_argv", "overrides_dict"]
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 """The repository's recipes/ folder (this helper is for the source tree, not an installed wheel)."""
@@ -56,3 +56,13 @@ def overrides_dict(argv: list[str]) -> dict[str, str]:
             raise ValueError(f"override {arg!r} is not key=value")
         out[key] = value
     return out
+
+
+def compose_verl(overrides: list[str]):
+    """verl 0.9.1's own ``ppo_trainer`` config with `overrides` (hydra, struct mode: a key that does not exist is
+    refused with a ConfigCompositionException naming it). Needs verl installed."""
+    import verl
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer" / "config"), version_base=None):
+        return compose(config_name="ppo_trainer", overrides=overrides)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
 from scripts_cases import load_script
@@ -105,12 +106,14 @@ def test_merge_keeps_each_run_s_provenance_and_later_files_win(bench, tmp_path, 
     a.write_text(json.dumps(_result([_run("bf16", 4e-3), _run("jetrl-unified", 0.0, "exit code 1")], "aaa")))
     b.write_text(json.dumps(_result([_run("jetrl-unified", 5e-3), _run("naive-fp8-rollout", 5e-2)], "bbb")))
     out = tmp_path / "m.json"
-    assert bench.main(["--out", str(out), "--merge", str(a), str(b)]) == 0
+    assert bench.main(["--out", str(out), "--merge", str(a), str(b), "--note", "naive: cut"]) == 0
     m = json.loads(out.read_text())
     assert [r["recipe"] for r in m["runs"]] == ["jetrl-unified", "naive-fp8-rollout", "bf16"]
     assert [r["meta"]["commit"] for r in m["runs"]] == ["bbb", "bbb", "aaa"]
     assert m["unified_over_naive_mean_dlogp"] == pytest.approx(0.1)
-    assert "unified / naive mean |dlogp|: 0.1" in capsys.readouterr().out
+    assert m["unified_over_bf16_mean_dlogp"] == pytest.approx(1.25) and m["note"] == "naive: cut"
+    printed = capsys.readouterr().out
+    assert "unified / naive mean |dlogp|: 0.1" in printed and "unified / bf16 mean |dlogp|: 1.25" in printed
     assert bench.main(["--out", str(out), "--merge", str(a)]) == 1  # a failed run keeps the exit code at 1
     assert "FAILED: exit code 1" in capsys.readouterr().out
 
@@ -169,3 +172,15 @@ def test_a_sigterm_while_a_timed_out_run_is_stopped_still_writes_and_ends(bench,
     runs = json.loads(out.read_text())["runs"]
     assert [r["error"] for r in runs] == ["stopped by --recipe-timeout 1 s, 0 of 5 steps logged"]
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_the_naive_baseline_s_overrides_compose_against_verl_and_reach_the_workers(bench):
+    pytest.importorskip("verl", reason="needs verl (the verl test environment installs verl==0.9.1)")
+    from jetrl.testing.recipes import compose_verl
+
+    cfg = compose_verl([o for o in bench.NAIVE_OVERRIDES if not o.startswith("jetrl.")])
+    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.VLLM_DEEP_GEMM_WARMUP == "skip"
+    argv, _, shown = bench.recipe_command(bench.parse_args(["--out", "x.json"]), "naive-fp8-rollout", Path("l"))
+    assert all(o in argv for o in bench.NAIVE_OVERRIDES) and "VLLM_DEEP_GEMM_WARMUP=skip" in shown
+    argv, _, _ = bench.recipe_command(bench.parse_args(["--out", "x.json"]), "jetrl-unified", Path("l"))
+    assert not any(o in argv for o in bench.NAIVE_OVERRIDES)

@@ -10,20 +10,12 @@ import pytest
 
 verl = pytest.importorskip("verl", reason="needs verl (the verl test environment installs verl==0.9.1)")
 
+from jetrl.testing.recipes import compose_verl as compose  # noqa: E402
 from jetrl.testing.recipes import overrides_dict, recipe_argv, verl_recipes  # noqa: E402
 
-CONFIG_DIR = Path(verl.__file__).parent / "trainer" / "config"
 JETRL_KEYS = {"jetrl.recipe", "jetrl.dry_run", "jetrl.lint", "jetrl.proceed_on_lint_violation"}
 """The section `python -m jetrl.verl` adds to verl's config (interfaces.md)."""
 RECIPES = verl_recipes()
-
-
-def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        return hydra_compose(config_name="ppo_trainer", overrides=overrides)
 
 
 def verl_overrides(script: Path, *args: str, env: dict[str, str] | None = None) -> tuple[list[str], dict]:
