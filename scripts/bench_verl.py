@@ -197,9 +197,12 @@ def comma_list(p: argparse.ArgumentParser, raw: str, allowed, option: str) -> li
 NAIVE_OVERRIDES = (
     # the baseline is off-policy by construction: the lint reports it (kept in the log) and the run goes on
     "jetrl.proceed_on_lint_violation=true",
-    # stock vLLM FP8 JIT-compiles DeepGEMM for every M it may meet before serving (3 min 10 s on the H200, more
-    # than a device call can spare); skipped, the kernels a run uses compile when first called (step 1's time)
-    "++ray_kwargs.ray_init.runtime_env.env_vars.VLLM_DEEP_GEMM_WARMUP=skip",
+    # stock vLLM's block-FP8 Linears on DeepGEMM JIT-compile kernels per M: 3 min 10 s of warm-up before serving
+    # on the H200, then the first 512-prompt generation had finished none of its requests after 2 min (unified
+    # and bf16: under 1 min; likely more JIT for the M values the warm-up skipped) and the run outlasted the
+    # device call. vLLM's ahead-of-time CUTLASS block-FP8 GEMM instead: the same quantization (what makes this
+    # baseline off-policy), no JIT. Quoted: Ray takes string env values only
+    "++ray_kwargs.ray_init.runtime_env.env_vars.VLLM_USE_DEEP_GEMM='0'",
 )
 
 
