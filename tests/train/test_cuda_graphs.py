@@ -53,8 +53,8 @@ def test_pad_to_keeps_the_rows_on_the_left_and_masks_the_rest():
 
 
 def test_no_padded_micro_batch_has_a_fully_masked_attention_row():
-    """A fully masked row makes the GPU's SDPA NaN (forward and backward): the H200 test's bf16 wgrads were NaN
-    while padding rows had mask 0 everywhere."""
+    """The H200 test's bf16 q/k/v wgrads were all NaN while a bucket's padding rows had mask 0 everywhere (a row
+    with no key to attend to, the likely source: jetrl/train/graphs.py)."""
     for rows, width in ((1, 1), (2, 5), (3, 64)):
         ids = torch.randint(3, 60, (rows, width))
         mask = torch.ones_like(ids)
