@@ -200,8 +200,11 @@ NAIVE_OVERRIDES = (
     # stock vLLM's block-FP8 Linears on DeepGEMM JIT-compile kernels per M: 3 min 10 s of warm-up before serving
     # on the H200, then the first 512-prompt generation had finished none of its requests after 2 min (unified
     # and bf16: under 1 min; likely more JIT for the M values the warm-up skipped) and the run outlasted the
-    # device call. vLLM's ahead-of-time CUTLASS block-FP8 GEMM instead: the same quantization (what makes this
-    # baseline off-policy), no JIT. Quoted: Ray takes string env values only
+    # device call. vLLM's ahead-of-time CUTLASS block-FP8 GEMM instead (no JIT): the same re-quantization of the
+    # BF16 weights in vLLM (what makes this baseline off-policy), with fp32 scales where DeepGEMM's path rounds
+    # them to powers of two (jetrl.lint.stock_vllm), i.e. a smaller rollout error than vLLM's default: a
+    # conservative baseline (`-- "++ray_kwargs.ray_init.runtime_env.env_vars.VLLM_USE_DEEP_GEMM='1'"` restores
+    # the default). The lint sees the same variable. Quoted: Ray takes string env values only
     "++ray_kwargs.ray_init.runtime_env.env_vars.VLLM_USE_DEEP_GEMM='0'",
 )
 

@@ -310,9 +310,10 @@ def lint_gate(cfg: DictConfig) -> int:
         from jetrl.lint.stock_vllm import StockVllmSettings
 
         qc = VERL_FP8_ROLLOUT_CONFIG if cfg.actor_rollout_ref.rollout.quantization == "fp8" else None
-        report = lint(
-            path, recipe, rollout="stock-vllm", stock=StockVllmSettings.from_environment(path, quant_config=qc)
-        )
+        # the environment vLLM's workers get: this process's, under the Ray runtime env's variables
+        env = {**os.environ, **{k: str(v) for k, v in _env_vars(cfg).items()}}
+        stock = StockVllmSettings.from_environment(path, env=env, quant_config=qc)
+        report = lint(path, recipe, rollout="stock-vllm", stock=stock)
     print(report.table())
     if report.ok:
         return 0

@@ -214,6 +214,29 @@ def test_the_lint_refuses_the_off_policy_baseline_unless_told(ckpt, capsys):
     assert lint_gate(bf16) == 0
 
 
+@pytest.mark.parametrize(("workers_env", "deep_gemm"), [([], True), (["VLLM_USE_DEEP_GEMM='0'"], False)])
+def test_the_baseline_lint_sees_the_workers_environment(ckpt, monkeypatch, workers_env, deep_gemm):
+    import jetrl.lint
+
+    seen = {}
+
+    def fake_lint(path, recipe, **kw):
+        seen.update(kw)
+        return types.SimpleNamespace(ok=True, table=lambda: "")
+
+    monkeypatch.setattr(jetrl.lint, "lint", fake_lint)
+    monkeypatch.delenv("VLLM_USE_DEEP_GEMM", raising=False)
+    ray_env = [f"++ray_kwargs.ray_init.runtime_env.env_vars.{v}" for v in workers_env]
+    cfg = compose(_base(ckpt) + ["jetrl.recipe=naive-fp8-rollout", *ray_env])
+    validate(cfg)
+    assert lint_gate(cfg) == 0
+    stock = seen["stock"]
+    assert stock.use_deep_gemm is deep_gemm and stock.block_quant and stock.pow2 is deep_gemm
+    assert stock.origins["use_deep_gemm"] == f"env:VLLM_USE_DEEP_GEMM={int(deep_gemm)}" + (
+        "" if workers_env else " (default)"
+    )
+
+
 @pytest.mark.parametrize("eager", [True, False])
 def test_the_unified_lint_starts_its_engine_as_the_rollout_will_run(ckpt, monkeypatch, eager):
     import jetrl.lint
