@@ -143,31 +143,24 @@ def summarize(steps: list[dict]) -> dict:
 
 STOP_GRACE_S = 5
 """Seconds between SIGTERM and SIGKILL to a stopped recipe's process group (a device call's limit is near)."""
-
-
-class _Stopped(Exception):
-    """SIGTERM arrived (e.g. the device call's time limit): stop the running recipe, keep its steps, write."""
+POLL_S = 0.2
+"""How often a running recipe is checked for its end, a SIGTERM to the benchmark and --recipe-timeout."""
 
 
 class _SigTerm:
     noted = False
-    """A SIGTERM came while a recipe was being stopped: the benchmark ends after writing."""
-
-
-def _on_sigterm(signum, frame):
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the clean-up and the write
-    raise _Stopped
+    """A SIGTERM came (the device call's limit): the running recipe is stopped, the benchmark writes and ends."""
 
 
 def _note_sigterm(signum, frame):
-    _SigTerm.noted = True
+    _SigTerm.noted = True  # only noted: an exception raised here could land anywhere (inside Popen, the write)
 
 
 @contextlib.contextmanager
 def _sigterm_stops():
     """Inside, SIGTERM stops the running recipe (`run_child` returns why) instead of killing the benchmark."""
     _SigTerm.noted = False
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    previous = signal.signal(signal.SIGTERM, _note_sigterm)
     try:
         yield
     finally:
@@ -181,7 +174,7 @@ def run_each(names: list[str], run_one, result: dict, out: Path) -> None:
         for name in names:
             result["runs"].append(run_one(name))
             out.write_text(json.dumps(result, indent=1))
-            if _SigTerm.noted or result["runs"][-1].get("error", "").startswith("stopped by SIGTERM"):
+            if _SigTerm.noted:
                 break
 
 
@@ -227,33 +220,35 @@ def recipe_command(args, recipe: str, jsonl: Path) -> tuple[list[str], dict[str,
 
 def _stop_group(proc: subprocess.Popen) -> None:
     """SIGTERM to the recipe's process group (bash, python -m jetrl.verl, Ray's local instance), SIGKILL after
-    `STOP_GRACE_S`. A SIGTERM to the benchmark meanwhile is noted (`_SigTerm`), never raised into this."""
-    previous = signal.signal(signal.SIGTERM, _note_sigterm)
-    try:
-        for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, None)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                pass
-            try:
-                proc.wait(timeout=wait_s)
-                return
-            except subprocess.TimeoutExpired:
-                continue
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    `STOP_GRACE_S`."""
+    for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, None)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def run_child(argv: list[str], env: dict, log: Path, limit_s: float | None) -> tuple[int | None, str | None]:
-    """Run the recipe into `log`: (exit code, None), or (None, why) when it was stopped before it ended."""
+    """Run the recipe into `log`: (exit code, None), or (None, why) when it was stopped before it ended (a
+    SIGTERM noted by `_sigterm_stops`, whenever it came, or `limit_s`)."""
     with log.open("w") as f:
         proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            return proc.wait(timeout=limit_s), None
-        except subprocess.TimeoutExpired:
-            why = f"stopped by --recipe-timeout {limit_s:g} s"
-        except _Stopped:
-            why = "stopped by SIGTERM"
+        t0 = time.monotonic()
+        why = None
+        while (rc := proc.poll()) is None and why is None:
+            if _SigTerm.noted:
+                why = "stopped by SIGTERM"
+            elif limit_s is not None and time.monotonic() - t0 > limit_s:
+                why = f"stopped by --recipe-timeout {limit_s:g} s"
+            else:
+                time.sleep(POLL_S)
+        if why is None:
+            return rc, None
         _stop_group(proc)
         return None, why
 

@@ -151,6 +151,34 @@ def test_sigterm_stops_the_run_keeps_its_steps_and_writes(bench, tmp_path, monke
     assert "FAILED: stopped by SIGTERM" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("where", ["Popen", "record"])
+def test_a_sigterm_outside_the_wait_is_not_lost_either(bench, tmp_path, monkeypatch, where):
+    # the device's limit can come while Popen is still starting the recipe (CI caught that race: the exception
+    # the old handler raised escaped from inside Popen) or while a finished run is recorded
+    body = "exec sleep 300\n" if where == "Popen" else "exit 0\n"
+    monkeypatch.setattr(bench, "RECIPE_SCRIPT", _fake_recipe(tmp_path, body))
+    target = bench.subprocess if where == "Popen" else bench
+    real, started = getattr(target, where), []
+
+    def then_sigterm(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if where == "record" or args[0][:2] == ["bash", str(bench.RECIPE_SCRIPT)]:  # not benchmeta's git calls
+            started.append(out)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(target, where, then_sigterm)
+    out = tmp_path / "r.json"
+    assert bench.main(["--out", str(out), "--recipes", "jetrl-unified,bf16"]) == 1
+    runs = json.loads(out.read_text())["runs"]
+    want = "stopped by SIGTERM" if where == "Popen" else "exit code 0"
+    assert [r["error"] for r in runs] == [f"{want}, 0 of 5 steps logged"]  # written, and no next recipe
+    if where == "Popen":
+        assert started[0].returncode is not None  # stopped and reaped
+        with pytest.raises(ProcessLookupError):  # its process group is gone
+            os.killpg(started[0].pid, 0)
+
+
 def test_recipe_timeout_stops_one_run_and_the_next_runs(bench, tmp_path, monkeypatch):
     body = "if [[ $RECIPE == jetrl-unified ]]; then exec sleep 300; fi\nexit 3\n"
     monkeypatch.setattr(bench, "RECIPE_SCRIPT", _fake_recipe(tmp_path, body))
