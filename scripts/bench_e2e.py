@@ -23,14 +23,19 @@ and copy of a real step is executed.
 
     python scripts/bench_e2e.py [--tiny | --shape llama3.1-8b --layers 8] [--prompts 32 --samples 8
                                 --max-tokens 512] [--steps 3] [--micro-batch-tokens N] [--fuse] [--cuda-graphs]
-                                [--train-cuda-graphs]
+                                [--train-cuda-graphs] [--recipes jetrl-unified,bf16] [--commit SHA]
                                 [--out DIR]
+    python scripts/bench_e2e.py --merge A.json B.json [--out DIR] [--note TEXT]
 
 The step is split into rollout / old log-probs (the no-grad pass over the batch, ref included) / update /
 sync (the trainer's ``time/*`` of each step).
 
 Writes ``e2e-<device>.json`` (device name, torch/triton/vllm versions, date, the config, every step's
-times and the medians) to ``--out`` (default scripts/results/) and prints a table.
+times and the medians) to ``--out`` (default scripts/results/) and prints a table; each recipe's output goes
+to ``<out>/e2e-logs/<recipe>.log`` while it runs (a line per step), its result to ``<recipe>.json`` there,
+and the JSON is rewritten after each recipe, so a run cut off keeps the recipes that finished. A
+recipe per device call (``--recipes``), then ``--merge`` of the calls' JSONs (same options, each run
+keeping its own commit/date/versions) gives the comparison.
 """
 
 from __future__ import annotations
@@ -121,12 +126,19 @@ def run_one(args) -> dict:
     try:
         tr.setup()
         quant = tr.engine.quantization
-        rows = [tr.step(s) for s in range(1, cfg.run.steps + 1)]
+        rows = []
+        for s in range(1, cfg.run.steps + 1):
+            rows.append(tr.step(s))
+            times = " ".join(f"{k.removeprefix('time/')}={rows[-1][k]:.3f}" for k in (*TIMES, "time/step_s"))
+            print(
+                f"bench_e2e {args.one} step {s}{' (warm-up)' if s == 1 else ''}: {times}", file=sys.stderr, flush=True
+            )
     finally:
         tr.close()
     keep = (*TIMES, "time/step_s", "sync/bytes", "response/length_mean")
     return {
         "recipe": args.one,
+        "meta": benchmeta.meta(args.commit),
         "engine_quantization": quant,
         "setup_s": tr.setup_s,
         "converted_linears": len(tr.conversion.converted_names()),
@@ -138,7 +150,24 @@ def _median(rows: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rows[1:])  # step 1 is the warm-up
 
 
-def main(argv: list[str] | None = None) -> int:
+CONFIG_KEYS = (
+    "prompts",
+    "samples",
+    "max_tokens",
+    "steps",
+    "mini_batches",
+    "micro_batch_size",
+    "micro_batch_tokens",
+    "fuse",
+    "cuda_graphs",
+    "train_cuda_graphs",
+    "backend",
+    "seed",
+)
+"""The options a comparison holds fixed (recorded; `merge` refuses results that differ in them)."""
+
+
+def parse_args(argv: list[str] | None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="the embedded tiny Qwen3 (CPU-friendly) instead of 0.6B")
     p.add_argument("--shape", choices=SHAPES, default="qwen3-0.6b", help="random-weight model shape (default 0.6B)")
@@ -169,12 +198,30 @@ def main(argv: list[str] | None = None) -> int:
         help="the update pass's micro-batches on CUDA graphs (algo.cuda_graphs, both recipes)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--recipes",
+        type=lambda v: v.split(","),
+        default=list(RECIPES),
+        help="comma-separated subset of " + ",".join(RECIPES) + " (one per device call; then --merge)",
+    )
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="no run: one result from these e2e JSONs (separate calls of the same options), written to --out",
+    )
+    p.add_argument("--commit", help="the checkout's commit, recorded per run (the device machine has no git)")
+    p.add_argument("--note", help="a note stored in the result (replaces a merged one)")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--model-path", help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    bad = [r for r in args.recipes if r not in RECIPES]
+    if bad or not args.recipes:
+        p.error(f"--recipes {','.join(args.recipes)}: choose from {','.join(RECIPES)}")
     args.prompts = args.prompts or (16 if args.tiny else 32)
     args.max_tokens = args.max_tokens or (16 if args.tiny else 512)
     args.micro_batch_size = args.micro_batch_size or (64 if args.tiny else 8)
@@ -185,64 +232,107 @@ def main(argv: list[str] | None = None) -> int:
             args.layers = shape_config(args.shape, args.layers).num_hidden_layers
         except ValueError as e:
             p.error(str(e))
+    return args
 
+
+def summarize(out: dict) -> dict:
+    """`out` with its medians (and unified / BF16 ratios when it holds both recipes) from its runs."""
+    keys = (*TIMES, "time/step_s")
+    table = {}
+    for r in RECIPES:
+        if r in out["runs"]:
+            steps = out["runs"][r]["steps"]
+            table[r] = {k: _median(steps, k) for k in keys}
+            table[r]["sync/bytes"] = steps[-1]["sync/bytes"]
+            table[r]["response/length_mean"] = steps[-1]["response/length_mean"]
+    out["median"] = table
+    out.pop("unified_over_bf16", None)
+    if len(table) == len(RECIPES):
+        out["unified_over_bf16"] = {k: table["jetrl-unified"][k] / table["bf16"][k] for k in keys}
+    return out
+
+
+def print_table(out: dict) -> None:
+    keys = (*TIMES, "time/step_s")
+    c = out["config"]
+    print(
+        f"\none RL step, {out['model']} on {out['device']}: "
+        f"{c['prompts']} prompts x {c['samples']} samples x {c['max_tokens']} tokens (median of {c['steps']})"
+    )
+    heads = ("rollout s", "old-logp s", "update s", "train s", "sync s", "step s")
+    print(f"{'recipe':<16}" + "".join(f"{h:>12}" for h in heads) + f"{'sync MiB':>12}")
+    for r, t in out["median"].items():
+        print(f"{r:<16}" + "".join(f"{t[k]:>12.3f}" for k in keys) + f"{t['sync/bytes'] / 2**20:>12.2f}")
+    if "unified_over_bf16" in out:
+        print(f"{'unified/bf16':<16}" + "".join(f"{out['unified_over_bf16'][k]:>12.2f}" for k in keys))
+
+
+def merge(paths: list[Path]) -> dict:
+    """One result from e2e JSONs of separate calls: their runs (each keeps its own ``meta``); refuses results
+    whose model, device or `CONFIG_KEYS` differ, naming the file and the option."""
+    out: dict | None = None
+    for path in paths:
+        part = json.loads(path.read_text())
+        if out is None:
+            out = {**part, "runs": {}}
+        for key in ("model", "device", "gemm_backend"):
+            if part.get(key) != out.get(key):
+                raise SystemExit(f"bench_e2e --merge: {path}: {key} {part.get(key)!r} != {out.get(key)!r}")
+        for key in CONFIG_KEYS:
+            if part["config"].get(key) != out["config"].get(key):
+                raise SystemExit(
+                    f"bench_e2e --merge: {path}: config {key}={part['config'].get(key)!r}, "
+                    f"not {out['config'].get(key)!r} as in {paths[0]}"
+                )
+        out["runs"].update(part["runs"])
+    out["merged_from"] = [str(p) for p in paths]
+    return out
+
+
+def result_path(out: dict, folder: Path) -> Path:
+    """``folder/e2e-[<shape>-l<layers>-]<gpu|cpu>.json`` (no shape part for the 0.6B and tiny models; a CPU's
+    `benchmeta.device_name` starts with "CPU")."""
+    device = out["device"]
+    tag = "cpu" if device.startswith("CPU ") else re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+    shape = out["shape"]
+    name = "" if shape is None or shape["name"] == "qwen3-0.6b" else f"{shape['name']}-l{shape['layers']}-"
+    return folder / f"e2e-{name}{tag}.json"
+
+
+def write(out: dict, path: Path, note: str | None) -> None:
+    if note:
+        out["note"] = note
+    summarize(out)
+    path.write_text(json.dumps(out, indent=2))
+    print_table(out)
+    print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.one:  # child
         Path(args.result).write_text(json.dumps(run_one(args)))
         return 0
+    if args.merge:
+        out = merge(args.merge)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        write(out, result_path(out, Path(args.out)), args.note)
+        return 0
 
     import torch
-    import triton
 
     if not args.tiny and not torch.cuda.is_available():
         print(f"bench_e2e: the {args.shape}-shaped run needs a CUDA GPU; use --tiny on a CPU", file=sys.stderr)
         return 2
+    import triton
     import vllm
 
     from jetrl.gemm import get_backend
 
-    results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        model_path = Path(tmp) / "model"
-        _make_model(model_path, args.tiny, args.seed, args.shape, args.layers)
-        for recipe in RECIPES:
-            res = Path(tmp) / f"{recipe}.json"
-            cmd = [
-                sys.executable,
-                __file__,
-                f"--one={recipe}",
-                f"--model-path={model_path}",
-                f"--run-dir={Path(tmp) / 'runs'}",
-                f"--result={res}",
-            ]
-            cmd += list(argv if argv is not None else sys.argv[1:])
-            env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            if proc.returncode != 0:
-                print(proc.stderr[-4000:], file=sys.stderr)
-                print(f"bench_e2e: the {recipe} run failed (exit {proc.returncode})", file=sys.stderr)
-                return 1
-            results[recipe] = json.loads(res.read_text())
-
-    keys = (*TIMES, "time/step_s")
-    table = {r: {k: _median(v["steps"], k) for k in keys} for r, v in results.items()}
-    for r, v in results.items():
-        table[r]["sync/bytes"] = v["steps"][-1]["sync/bytes"]
-        table[r]["response/length_mean"] = v["steps"][-1]["response/length_mean"]
-    ratio = {k: table["jetrl-unified"][k] / table["bf16"][k] for k in keys}
     device = benchmeta.device_name()
-    shape = f"{args.shape}-shape, {args.layers} layers (untied embeddings, random weights)"
-    model = "tiny-qwen3" if args.tiny else shape
-    print(
-        f"\none RL step, {model} on {device}: "
-        f"{args.prompts} prompts x {args.samples} samples x {args.max_tokens} tokens (median of {args.steps})"
+    model = (
+        "tiny-qwen3" if args.tiny else f"{args.shape}-shape, {args.layers} layers (untied embeddings, random weights)"
     )
-    heads = ("rollout s", "old-logp s", "update s", "train s", "sync s", "step s")
-    print(f"{'recipe':<16}" + "".join(f"{h:>12}" for h in heads) + f"{'sync MiB':>12}")
-    for r in RECIPES:
-        t = table[r]
-        print(f"{r:<16}" + "".join(f"{t[k]:>12.3f}" for k in keys) + f"{t['sync/bytes'] / 2**20:>12.2f}")
-    print(f"{'unified/bf16':<16}" + "".join(f"{ratio[k]:>12.2f}" for k in keys))
-
     out = {
         "bench": "e2e",
         "device": device,
@@ -259,33 +349,37 @@ def main(argv: list[str] | None = None) -> int:
             if not torch.cuda.is_available()
             else "GPU: FP8 GEMMs through the named jetrl.gemm backend"
         ),
-        "config": {
-            k: getattr(args, k)
-            for k in (
-                "prompts",
-                "samples",
-                "max_tokens",
-                "steps",
-                "mini_batches",
-                "micro_batch_size",
-                "micro_batch_tokens",
-                "fuse",
-                "cuda_graphs",
-                "train_cuda_graphs",
-                "backend",
-                "seed",
-            )
-        },
-        "median": table,
-        "unified_over_bf16": ratio,
-        "runs": results,
+        "config": {k: getattr(args, k) for k in CONFIG_KEYS},
+        "runs": {},
     }
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    tag = "cpu" if not torch.cuda.is_available() else re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
-    name = "" if args.tiny or args.shape == "qwen3-0.6b" else f"{args.shape}-l{args.layers}-"
-    path = Path(args.out) / f"e2e-{name}{tag}.json"
-    path.write_text(json.dumps(out, indent=2))
-    print(f"wrote {path}")
+    path = result_path(out, Path(args.out))
+    logdir = Path(args.out) / "e2e-logs"  # written as the children run: a run cut off still leaves its log
+    logdir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_path = Path(tmp) / "model"
+        _make_model(model_path, args.tiny, args.seed, args.shape, args.layers)
+        for recipe in args.recipes:
+            res, log = logdir / f"{recipe}.json", logdir / f"{recipe}.log"
+            cmd = [
+                sys.executable,
+                __file__,
+                f"--one={recipe}",
+                f"--model-path={model_path}",
+                f"--run-dir={Path(tmp) / 'runs'}",
+                f"--result={res}",
+            ]
+            cmd += list(argv if argv is not None else sys.argv[1:])
+            env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+            print(f"== {recipe}: log in {log}", file=sys.stderr, flush=True)
+            with log.open("w") as f:
+                proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+            if proc.returncode != 0:
+                print(log.read_text(errors="replace")[-4000:], file=sys.stderr)
+                print(f"bench_e2e: the {recipe} run failed (exit {proc.returncode})", file=sys.stderr)
+                return 1
+            out["runs"][recipe] = json.loads(res.read_text())
+            write(out, path, args.note)  # after each recipe: a later one cut off keeps this one's result
     return 0
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from scripts_cases import load_script
 
@@ -15,3 +17,57 @@ def test_tiny_takes_no_shape(bench, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--tiny", "--layers", "2"])
     assert "--tiny is its own model" in capsys.readouterr().err
+
+
+def test_recipes_must_be_known(bench, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--tiny", "--recipes", "jetrl-unified,fp16"])
+    assert "--recipes jetrl-unified,fp16: choose from jetrl-unified,bf16" in capsys.readouterr().err
+
+
+def _part(bench, recipe: str, step_s: list[float], **config) -> dict:
+    """A one-recipe result as a run writes it (times per step; the first is the warm-up)."""
+    times = dict.fromkeys(bench.TIMES, 1.0)
+    steps = [{**times, "time/step_s": t, "sync/bytes": 2**20, "response/length_mean": 16.0} for t in step_s]
+    cfg = {k: None for k in bench.CONFIG_KEYS} | {"prompts": 32, "steps": len(step_s) - 1} | config
+    return {
+        "bench": "e2e",
+        "device": "NVIDIA H200",
+        "model": "qwen3-0.6b-shape, 28 layers (untied embeddings, random weights)",
+        "shape": {"name": "qwen3-0.6b", "layers": 28},
+        "gemm_backend": "deepgemm",
+        "config": cfg,
+        "runs": {recipe: {"recipe": recipe, "meta": {"commit": recipe}, "steps": steps}},
+    }
+
+
+def test_merge_of_separate_calls_gives_the_comparison(bench, tmp_path, capsys):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(bench.summarize(_part(bench, "jetrl-unified", [99.0, 12.0, 10.0, 11.0]))))
+    b.write_text(json.dumps(bench.summarize(_part(bench, "bf16", [50.0, 8.0, 9.0, 10.0]))))
+    assert "unified_over_bf16" not in json.loads(a.read_text())  # one recipe: medians, no ratio
+    assert bench.main(["--merge", str(a), str(b), "--out", str(tmp_path / "out"), "--note", "two calls"]) == 0
+    out = json.loads((tmp_path / "out" / "e2e-nvidia-h200.json").read_text())
+    assert out["median"]["jetrl-unified"]["time/step_s"] == 11.0  # the warm-up step is not a timed one
+    assert out["median"]["bf16"]["time/step_s"] == 9.0
+    assert out["unified_over_bf16"]["time/step_s"] == pytest.approx(11.0 / 9.0)
+    assert [r["meta"]["commit"] for r in out["runs"].values()] == ["jetrl-unified", "bf16"]
+    assert out["note"] == "two calls" and out["merged_from"] == [str(a), str(b)]
+    assert "unified/bf16" in capsys.readouterr().out
+
+
+def test_merge_refuses_results_of_other_options(bench, tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_part(bench, "jetrl-unified", [1.0, 2.0], max_tokens=512)))
+    b.write_text(json.dumps(_part(bench, "bf16", [1.0, 2.0], max_tokens=256)))
+    with pytest.raises(SystemExit, match=r"b.json: config max_tokens=256, not 512"):
+        bench.merge([a, b])
+
+
+def test_result_names(bench, tmp_path):
+    part = _part(bench, "bf16", [1.0, 2.0])
+    assert bench.result_path(part, tmp_path).name == "e2e-nvidia-h200.json"
+    part["shape"] = {"name": "llama3.1-8b", "layers": 8}
+    assert bench.result_path(part, tmp_path).name == "e2e-llama3.1-8b-l8-nvidia-h200.json"
+    part.update(device="CPU x86_64 x2", shape=None)
+    assert bench.result_path(part, tmp_path).name == "e2e-cpu.json"
