@@ -14,7 +14,7 @@ micro-batch size). Padding columns have attention mask 0; a padding row attends 
 so that no batch row is fully masked: on the H200 the GPU test's `bf16` q/k/v wgrads came out all NaN, eager
 and graphed alike, for a bucket with a fully masked row (finite on CPU; the likely source is CUDA SDPA's
 backward over a row with no key to attend to, which spreads NaN into every wgrad although the row's log-probs
-are cut off; not re-run on the GPU since). The log-probs of padding rows and columns are cut off before the
+are cut off; with this padding the GPU test passes for both recipes). The log-probs of padding rows and columns are cut off before the
 loss, so their gradient is 0; they do take part in the 128-token blocks of the wgrad operands, as the padding
 of an eager micro-batch does. Every bucket is captured once, before training (`capture_all`), because
 capturing runs warm-up iterations whose gradients land in the accumulators (the optimizer's gradients are
