@@ -10,16 +10,16 @@ How: `GraphedLogprobs` keeps, per shape bucket, one graph pair (forward, backwar
 ``[rows, width]`` is padded on the right to the bucket ``[R, W]``: ``W`` the next power of two >= width (at
 least `MIN_WIDTH`), ``R`` the micro-batch size, or with a token budget the most rows a micro-batch of that
 bucket can have (``budget // (W // 2 + 1)``, capped by the micro-batch size; the narrowest bucket takes the
-micro-batch size). Padding columns have attention mask 0; a padding row attends to its first token only,
-so that no batch row is fully masked: on the H200 the GPU test's `bf16` q/k/v wgrads came out all NaN, eager
-and graphed alike, for a bucket with a fully masked row (finite on CPU; the likely source is CUDA SDPA's
-backward over a row with no key to attend to, which spreads NaN into every wgrad although the row's log-probs
-are cut off; with this padding the GPU test passes for both recipes). The log-probs of padding rows and columns are cut off before the
-loss, so their gradient is 0; they do take part in the 128-token blocks of the wgrad operands, as the padding
-of an eager micro-batch does. Every bucket is captured once, before training (`capture_all`), because
-capturing runs warm-up iterations whose gradients land in the accumulators (the optimizer's gradients are
-zeroed after) and whose uninitialised output gradients may trip the kernels' non-finite flags (cleared
-after).
+micro-batch size). Padding columns have attention mask 0; a padding row attends to its first token only, so
+that no batch row is fully masked: on the H200 the GPU test's `bf16` q/k/v wgrads came out all NaN, eager and
+graphed alike, for a bucket with a fully masked row (finite on CPU; the likely source is CUDA SDPA's backward
+over a row with no key to attend to, which spreads NaN into every wgrad although the row's log-probs are cut
+off; with this padding the GPU test passes for both recipes). The log-probs of padding rows and columns are
+cut off before the loss, so their gradient is 0; they do take part in the 128-token blocks of the wgrad
+operands, as the padding of an eager micro-batch does. Every bucket is captured once, before training
+(`capture_all`), because capturing runs warm-up iterations whose gradients land in the accumulators (the
+optimizer's gradients are zeroed after) and whose uninitialised output gradients may trip the kernels'
+non-finite flags (cleared after).
 
 Memory: all graphs share one graph memory pool, so they hold about the largest bucket's activations, not
 their sum. That is safe for how the trainer replays them: a bucket's backward always follows its own
