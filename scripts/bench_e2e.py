@@ -138,7 +138,6 @@ def run_one(args) -> dict:
     keep = (*TIMES, "time/step_s", "sync/bytes", "response/length_mean")
     return {
         "recipe": args.one,
-        "meta": benchmeta.meta(args.commit),
         "engine_quantization": quant,
         "setup_s": tr.setup_s,
         "converted_linears": len(tr.conversion.converted_names()),
@@ -284,7 +283,12 @@ def merge(paths: list[Path]) -> dict:
                     f"bench_e2e --merge: {path}: config {key}={part['config'].get(key)!r}, "
                     f"not {out['config'].get(key)!r} as in {paths[0]}"
                 )
-        out["runs"].update(part["runs"])
+        for recipe, run in part["runs"].items():
+            if recipe in out["runs"]:
+                raise SystemExit(f"bench_e2e --merge: {path}: a second {recipe} run (keep one file per recipe)")
+            # a result written before runs carried their meta: its top-level fields are that run's
+            meta = run.get("meta") or {k: part.get(k) for k in ("device", "date", "torch", "triton", "vllm", "code")}
+            out["runs"][recipe] = {**run, "meta": meta}
     out["merged_from"] = [str(p) for p in paths]
     return out
 
@@ -378,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(log.read_text(errors="replace")[-4000:], file=sys.stderr)
                 print(f"bench_e2e: the {recipe} run failed (exit {proc.returncode})", file=sys.stderr)
                 return 1
-            out["runs"][recipe] = json.loads(res.read_text())
+            out["runs"][recipe] = {**json.loads(res.read_text()), "meta": benchmeta.meta(args.commit)}
             write(out, path, args.note)  # after each recipe: a later one cut off keeps this one's result
     return 0
 

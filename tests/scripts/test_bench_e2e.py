@@ -64,6 +64,20 @@ def test_merge_refuses_results_of_other_options(bench, tmp_path):
         bench.merge([a, b])
 
 
+def test_merge_refuses_two_runs_of_a_recipe_and_keeps_old_files_provenance(bench, tmp_path):
+    a, b, c = (tmp_path / f"{n}.json" for n in "abc")
+    old = _part(bench, "bf16", [1.0, 2.0])
+    del old["runs"]["bf16"]["meta"]  # as results written before runs carried their meta
+    old.update(date="2026-11-29", code="commit fbc5fa7")
+    a.write_text(json.dumps(_part(bench, "jetrl-unified", [1.0, 2.0])))
+    b.write_text(json.dumps(old))
+    c.write_text(json.dumps(_part(bench, "bf16", [1.0, 3.0])))
+    with pytest.raises(SystemExit, match=r"c.json: a second bf16 run"):
+        bench.merge([a, b, c])
+    meta = bench.merge([a, b])["runs"]["bf16"]["meta"]
+    assert meta["date"] == "2026-11-29" and meta["code"] == "commit fbc5fa7"
+
+
 def test_result_names(bench, tmp_path):
     part = _part(bench, "bf16", [1.0, 2.0])
     assert bench.result_path(part, tmp_path).name == "e2e-nvidia-h200.json"
