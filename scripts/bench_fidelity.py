@@ -11,6 +11,11 @@ the trainer's entropy at the sampled positions (the distribution must be peaked 
 show), all over every response token and over the tokens up to each response's first EOS, and
 |dlogp| per token-position bin. Responses run to ``--max-tokens`` (``ignore_eos``).
 
+The ``*_hf_ops`` / ``*_fused_ops`` modes (``--modes``; not in the default set) start the engine on
+`jetrl.rollout.vllm_model`'s trainer-matched model (``engine_ops``): vLLM with the trainer's own ops between
+the Linears (norms, residual adds, RoPE, SiLU-and-mul; ``fused``: through the trainer's fused producer
+kernels, and the trainer converted with them), leaving attention and lm_head as vLLM computes them.
+
 Model: the tiny Qwen3 (`jetrl.tiny`, ``--model-overrides`` JSON to change its shape) after jetrl's
 supervised warm-up on the arithmetic task (`jetrl.train.warmup.supervised_warmup`, on the CPU as `jetrl train` runs it).
 
@@ -47,8 +52,15 @@ MODES = {
     "naive_fp8": ("naive-fp8-rollout", "jetrl"),
     "jetrl_fp8": ("jetrl-unified", "jetrl"),
     "stock_fp8": ("jetrl-unified", "stock"),
+    "bf16_hf_ops": ("bf16", "jetrl"),
+    "jetrl_fp8_hf_ops": ("jetrl-unified", "jetrl"),
+    "jetrl_fp8_fused_ops": ("jetrl-unified", "jetrl"),
 }
 """mode -> (recipe, rollout), as `jetrl.rollout.adapter.create_engine` takes them."""
+ENGINE_OPS = {"bf16_hf_ops": "hf", "jetrl_fp8_hf_ops": "hf", "jetrl_fp8_fused_ops": "fused"}
+"""Modes whose engine runs the trainer's ops between the Linears (`jetrl.rollout.vllm_model`; the others:
+vLLM's own model). ``fused``: the trainer runs its fused producers too (``model.fuse_producers``)."""
+DEFAULT_MODES = ("bf16", "naive_fp8", "jetrl_fp8", "stock_fp8")
 STAT_KEYS = ("tokens", "mean_abs", "p99_abs", "max_abs", "is_ratio_mean", "is_ratio_max", "entropy_mean", "nll_mean")
 SCHEMA_VERSION = 1
 
@@ -75,7 +87,7 @@ def _positive(text: str) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    p.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=list(MODES))
     p.add_argument("--max-tokens", type=_positive, default=8192, help="response tokens per sample (ignore_eos)")
     p.add_argument("--prompts", type=_positive, default=16, help="arithmetic prompts (one sample each)")
     p.add_argument("--samples", type=_positive, default=1, help="samples per prompt")
@@ -185,9 +197,12 @@ def ratios(modes: dict) -> dict:
     """Mean |dlogp| of each FP8 mode over bf16's (the BF16 pair's floor) and naive over jetrl_fp8."""
     mean = {m: r["overall"]["mean_abs"] for m, r in modes.items() if r.get("overall")}
     out = {}
-    for m in ("naive_fp8", "jetrl_fp8", "stock_fp8"):
+    for m in ("naive_fp8", "jetrl_fp8", "stock_fp8", "jetrl_fp8_hf_ops", "jetrl_fp8_fused_ops"):
         if m in mean and "bf16" in mean and mean["bf16"]:
             out[f"{m}_over_bf16"] = mean[m] / mean["bf16"]
+    for m in ("jetrl_fp8_hf_ops", "jetrl_fp8_fused_ops"):
+        if m in mean and mean.get("bf16_hf_ops"):
+            out[f"{m}_over_bf16_hf_ops"] = mean[m] / mean["bf16_hf_ops"]
     if "naive_fp8" in mean and mean.get("jetrl_fp8"):
         out["naive_fp8_over_jetrl_fp8"] = mean["naive_fp8"] / mean["jetrl_fp8"]
     return out
@@ -320,7 +335,7 @@ def prompts(args) -> list[list[int]]:
     return [tok.encode(p.prompt, add_bos=True) for p in task.problems(Stream.EVAL, 0, args.prompts)]
 
 
-def _trainer(path: Path, recipe, backend: str):
+def _trainer(path: Path, recipe, backend: str, fuse: bool = False):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -329,7 +344,7 @@ def _trainer(path: Path, recipe, backend: str):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device)
     if recipe.train_fp8:
-        convert_model(model, recipe, backend=backend if device == "cuda" else "emulated")
+        convert_model(model, recipe, backend=backend if device == "cuda" else "emulated", fuse=fuse)
     return model.eval()
 
 
@@ -366,10 +381,11 @@ def run_mode(args, mode: str, path: Path) -> dict:
         enforce_eager=args.enforce_eager or not cuda,
         rollout=rollout,
         backend=backend,
+        engine_ops=ENGINE_OPS.get(mode, "vllm"),
         **kw,
     )
     try:
-        trainer = _trainer(path, recipe, args.backend)
+        trainer = _trainer(path, recipe, args.backend, fuse=ENGINE_OPS.get(mode) == "fused")
         sync = sync_weights(trainer, engine, recipe).to_dict()
         t0 = time.perf_counter()
         samples = engine.generate(
@@ -386,6 +402,7 @@ def run_mode(args, mode: str, path: Path) -> dict:
         return {
             "recipe": recipe_name,
             "rollout": rollout,
+            "engine_ops": ENGINE_OPS.get(mode, "vllm"),
             "quantization": engine.quantization,
             "engine_start_s": engine.start_seconds,
             "cudagraph_capture_sizes": None if (args.enforce_eager or not cuda) else list(cc.cudagraph_capture_sizes),

@@ -237,14 +237,17 @@ def create_engine(
     rollout: str = "jetrl",
     backend: str = "auto",
     in_process: bool = True,
+    engine_ops: str = "vllm",
     **kw,
 ) -> Engine:
     """Start a vLLM engine that rolls out with `recipe`'s rollout precision.
 
     `rollout`: ``"jetrl"`` (jetrl's vLLM methods) or ``"stock"`` (`stock_vllm_settings`). `backend`:
     the `jetrl.gemm` backend of ``jetrl_fp8``. `in_process` sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
-    (needed by `Engine.apply` and the weight sync). Extra `kw` go to ``vllm.LLM`` (e.g.
-    ``kv_cache_memory_bytes``, ``load_format="dummy"``, ``enable_sleep_mode=True``)."""
+    (needed by `Engine.apply` and the weight sync). `engine_ops` ``"hf"`` / ``"fused"`` runs the trainer's
+    ops between the Linears inside vLLM (`jetrl.rollout.vllm_model`; ``"vllm"``: vLLM's own model). Extra
+    `kw` go to ``vllm.LLM`` (e.g. ``kv_cache_memory_bytes``, ``load_format="dummy"``,
+    ``enable_sleep_mode=True``)."""
     if rollout not in ROLLOUT_MODES:
         raise ValueError(f"create_engine: rollout={rollout!r}; choose one of {ROLLOUT_MODES}")
     r = _as_recipe(recipe)
@@ -273,6 +276,11 @@ def create_engine(
         cfg = replace(base, recipe=r.name, backend=backend, keep_bf16=r.keep_bf16)
         args["quantization"] = cfg.method_name
         args["hf_overrides"] = {"quantization_config": cfg.to_hf_dict()}
+    if engine_ops != "vllm":
+        from jetrl.rollout.vllm_model import engine_overrides
+
+        archs = json.loads((Path(model_path) / "config.json").read_text()).get("architectures")
+        args["hf_overrides"] = {**args.get("hf_overrides", {}), **engine_overrides(archs, engine_ops)}
     if gpu_memory_utilization is not None:
         args["gpu_memory_utilization"] = gpu_memory_utilization
     elif not torch.cuda.is_available() and "kv_cache_memory_bytes" not in kw:

@@ -25,7 +25,8 @@ embeddings and lm_head are never handed to these methods. A fused layer
 whose shards disagree (some kept BF16, some not) is refused with its name.
 
 Each quantized layer carries ``jetrl_mode`` ("block"/"naive") and ``jetrl_name`` (its vLLM prefix),
-which the weight sync reads. This module and `jetrl.rollout.adapter` are the only ones importing vLLM.
+which the weight sync reads. This module, `jetrl.rollout.vllm_model` (the trainer-matched model classes)
+and `jetrl.rollout.adapter` are the only ones importing vLLM.
 """
 
 from __future__ import annotations
@@ -319,7 +320,11 @@ def _real_token_rows(n_rows: int) -> torch.Tensor | None:
 
 
 def register() -> None:
-    """Register ``jetrl_fp8`` and ``jetrl_fp8_naive`` with vLLM (idempotent; vLLM calls it per process)."""
+    """Register ``jetrl_fp8``, ``jetrl_fp8_naive``, ``jetrl_bf16`` and the trainer-matched model classes
+    (`jetrl.rollout.vllm_model.register_models`) with vLLM (idempotent; vLLM calls it per process)."""
+    from jetrl.rollout.vllm_model import register_models
+
+    register_models()
     set_row_mask_provider(_real_token_rows)
     for cls in (JetFP8LinearMethod, JetFP8NaiveLinearMethod, JetBF16LinearMethod):
         if cls.__name__ not in WEIGHT_LOADER_V2_SUPPORTED:

