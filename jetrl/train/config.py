@@ -159,6 +159,11 @@ class RolloutConfig:
     """Engine context length (prompt + response)."""
     gpu_memory_utilization: float | None = None
     """Fraction of device memory (on CPU: of host memory) vLLM reserves; None = adapter default."""
+    engine_ops: str = "vllm"
+    """The engine's ops between the Linears (`jetrl.rollout.vllm_model`): 'vllm' (vLLM's own model),
+    'hf' (transformers' norms, residual adds, RoPE and SiLU-and-mul, as the trainer computes them with
+    ``model.numerics: hf``), 'fused' (as 'hf' through the trainer's fused producer kernels; needs
+    ``model.fuse_producers: true``). Attention and lm_head stay vLLM's."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for `jetrl.rollout.adapter.create_engine`."""
     ignore_eos: bool = False
@@ -439,6 +444,25 @@ def _check_values(cfg: TrainConfig) -> None:
                 f"replaces the RMSNorms that model.numerics={cfg.model.numerics!r} matches to the rollout engine's "
                 "kernels; use one or the other (numerics 'hf' with fused producers)",
             )
+    ops = cfg.rollout.engine_ops
+    if ops not in ("vllm", "hf", "fused"):
+        raise _fail("rollout.engine_ops", f"{ops!r}: choose 'vllm', 'hf' or 'fused'")
+    if ops != "vllm" and cfg.model.numerics != "hf":
+        raise _fail(
+            "rollout.engine_ops",
+            f"{ops!r} runs the trainer's own ops inside the engine; model.numerics={cfg.model.numerics!r} "
+            "changes the trainer's to vLLM's instead (use one or the other)",
+        )
+    if ops != "vllm" and cfg.model.fuse_producers != (ops == "fused"):
+        want = "true" if ops == "fused" else "false"
+        raise _fail(
+            "rollout.engine_ops",
+            f"{ops!r} computes the norms and SwiGLU as a trainer with model.fuse_producers={want} does "
+            f"(this config: {str(cfg.model.fuse_producers).lower()}); use "
+            f"{'fused' if cfg.model.fuse_producers else 'hf'}",
+        )
+    if "engine_ops" in cfg.rollout.engine_kwargs:
+        raise _fail("rollout.engine_kwargs", "engine_ops is the key rollout.engine_ops")
     if cfg.model.path is not None and cfg.model.tiny:
         raise _fail("model.tiny", "overrides for the embedded tiny model cannot be combined with model.path")
     if t.name not in ("arithmetic", "parquet"):

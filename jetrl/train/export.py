@@ -164,6 +164,7 @@ def export_run(
         "step": got_step,
         "recipe": recipe.name,
         "numerics": cfg.model.numerics,
+        "engine_ops": cfg.rollout.engine_ops,
         "gemm_backend": cfg.run.gemm_backend,
         "start_checkpoint": str(init_path),
     }

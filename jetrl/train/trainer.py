@@ -254,6 +254,7 @@ class Trainer:
             gpu_memory_utilization=r.gpu_memory_utilization,
             max_model_len=r.max_model_len,
             backend=cfg.run.gemm_backend,
+            engine_ops=r.engine_ops,
             **{**({} if self.verbose else {"use_tqdm_on_load": False}), **r.engine_kwargs},
         )
         self.log(f"engine: {self.engine.quantization or 'bf16'} started in {self.engine.start_seconds:.1f}s")
@@ -756,6 +757,7 @@ class Trainer:
             "converted_linears": len(self.conversion.converted_names()) if hasattr(self, "conversion") else None,
             "finite": all(math.isfinite(r["reward/mean"]) for r in rows),
             "numerics": self.cfg.model.numerics,
+            "engine_ops": self.cfg.rollout.engine_ops,
             "numerics_path": (
                 {**asdict(self.numerics_path), "text": self.numerics_path.describe()}
                 if getattr(self, "numerics_path", None)

@@ -55,7 +55,7 @@ __all__ = [
 
 CONFIG_DIR = Path(__file__).parent / "config"
 CONFIG_NAME = "jetrl_ppo_trainer"
-JETRL_KEYS = ("recipe", "dry_run", "lint", "proceed_on_lint_violation")
+JETRL_KEYS = ("recipe", "engine_ops", "dry_run", "lint", "proceed_on_lint_violation")
 PLUGIN_MODULE = "jetrl.verl.plugin"
 COLOCATED_TRAINER_MODES = ("sync", "colocate_async")
 """verl 0.9.1 V1 trainer modes whose weight sync is the colocated one jetrl's worker extension receives."""
@@ -134,9 +134,20 @@ def apply_recipe(cfg: DictConfig) -> dict[str, str]:
             f"actor_rollout_ref.rollout.quantization={rollout.quantization!r} contradicts jetrl.recipe={recipe.name}: "
             "verl's FP8 rollout re-quantizes weights at every sync (that baseline is jetrl.recipe=naive-fp8-rollout)"
         )
+    ops = cfg.jetrl.get("engine_ops") or "vllm"
+    if ops not in ("vllm", "hf"):
+        raise ConfigError(
+            f"jetrl.engine_ops={ops!r}: choose 'vllm' or 'hf' (verl's FSDP actor runs transformers' own norms, "
+            "so the engine has no fused producers to match)"
+        )
     if recipe.name != "jetrl-unified":
+        if ops != "vllm":
+            raise ConfigError(
+                f"jetrl.engine_ops={ops!r} needs jetrl.recipe=jetrl-unified (jetrl's rollout); {recipe.name} rolls "
+                "out with verl's own vLLM server"
+            )
         return changed
-    from jetrl.verl.worker import ROLLOUT_NAME
+    from jetrl.verl.worker import ENGINE_OPS_ENV, ROLLOUT_NAME
 
     if cfg.trainer.v1.trainer_mode not in COLOCATED_TRAINER_MODES:
         raise ConfigError(
@@ -170,12 +181,13 @@ def apply_recipe(cfg: DictConfig) -> dict[str, str]:
         "VERL_ENGINE_VENDOR": "jetrl",
         "JETRL_RECIPE": recipe.name,
         "VERL_USE_EXTERNAL_MODULES": ",".join(modules + [PLUGIN_MODULE] if PLUGIN_MODULE not in modules else modules),
+        ENGINE_OPS_ENV: ops,
     }
     for key in ("JETRL_GEMM_BACKEND", "JETRL_FP8_EXPORT"):  # jetrl.verl.engine reads them in the workers
         if os.environ.get(key):
             wanted[key] = os.environ[key]
     for k, v in wanted.items():
-        if k in ("VERL_ENGINE_VENDOR", "JETRL_RECIPE") and env.get(k) not in (None, v):
+        if k in ("VERL_ENGINE_VENDOR", "JETRL_RECIPE", ENGINE_OPS_ENV) and env.get(k) not in (None, v):
             raise ConfigError(f"ray_kwargs.ray_init.runtime_env.env_vars.{k}={env.get(k)!r}: jetrl-unified needs {v!r}")
         with open_dict(env):
             env[k] = v
@@ -305,7 +317,8 @@ def lint_gate(cfg: DictConfig) -> int:
     path = str(cfg.actor_rollout_ref.model.path)
     if recipe.name == "jetrl-unified":  # a live engine with jetrl's method, as the rollout will run
         eager = bool(cfg.actor_rollout_ref.rollout.enforce_eager)  # eager or compiled + CUDA graphs, as verl's
-        report = lint(path, recipe, rollout="jetrl-vllm", engine_kwargs={"enforce_eager": eager})
+        ops = cfg.jetrl.get("engine_ops") or "vllm"
+        report = lint(path, recipe, rollout="jetrl-vllm", engine_kwargs={"enforce_eager": eager, "engine_ops": ops})
     else:  # the baselines run stock vLLM: described from its settings, no engine is started
         from jetrl.lint.stock_vllm import StockVllmSettings
 

@@ -72,6 +72,8 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 ROLLOUT_NAME = "jetrl_vllm"
+ENGINE_OPS_ENV = "JETRL_ENGINE_OPS"
+"""``jetrl.engine_ops`` as the entrypoint hands it to the rollout servers (`jetrl.rollout.vllm_model`)."""
 """``actor_rollout_ref.rollout.name`` of verl's vLLM rollout with jetrl's worker extension."""
 WORKER_EXTENSION = "jetrl.verl.worker.JetrlWorkerExtension"
 
@@ -193,9 +195,12 @@ class JetrlvLLMHttpServer(vLLMHttpServer):
                 f"actor_rollout_ref.rollout.quantization={self.config.quantization!r} (verl's re-quantizing FP8 "
                 "rollout) must be null -- that baseline is jetrl.recipe=naive-fp8-rollout with rollout.name=vllm"
             )
+        from jetrl.rollout.vllm_model import engine_overrides
+
         recipe = recipe_from_env()
         cfg = RolloutQuantConfig(recipe=recipe.name, backend=os.environ.get(BACKEND_ENV, "auto"))
-        return cfg.method_name, {"quantization_config": cfg.to_hf_dict()}
+        ops = engine_overrides(self.model_config.hf_config.architectures, os.environ.get(ENGINE_OPS_ENV) or "vllm")
+        return cfg.method_name, {"quantization_config": cfg.to_hf_dict(), **ops}
 
 
 class JetrlvLLMReplica(vLLMReplica):

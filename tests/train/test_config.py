@@ -49,6 +49,11 @@ def test_defaults_and_presets():
         ({"algo": {"eps": -1e-6}}, "algo.eps"),
         ({"model": {"fuse_producers": True}, "run": {"recipe": "bf16"}}, "model.fuse_producers"),
         ({"model": {"fuse_producers": True, "numerics": "vllm-cpu"}}, "model.fuse_producers"),
+        ({"rollout": {"engine_ops": "triton"}}, "rollout.engine_ops"),
+        ({"rollout": {"engine_ops": "hf"}, "model": {"numerics": "vllm-cpu"}}, "rollout.engine_ops"),
+        ({"rollout": {"engine_ops": "fused"}}, "rollout.engine_ops"),  # model.fuse_producers false
+        ({"rollout": {"engine_ops": "hf"}, "model": {"fuse_producers": True}}, "rollout.engine_ops"),
+        ({"rollout": {"engine_kwargs": {"engine_ops": "hf"}}}, "rollout.engine_kwargs"),
         ({"optim": {"betas": [0.9]}}, "optim.betas"),
         ({"task": {"ops": ["/"]}}, "task.ops"),
         ({"model": {"dtype": "float16"}}, "model.dtype"),

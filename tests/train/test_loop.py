@@ -272,7 +272,8 @@ def test_fused_producers(out_dir):
     """model.fuse_producers: the norms feeding FP8 Linears and the SiLU MLPs become the fused quantizing
     producers (same parameter names), the lint still proves the rollout a subgraph of training, the sync
     stays byte-verified, and the fused model's log-probs equal the unfused model's bit for bit (the
-    producers hand over exactly the bytes the Linears would have computed)."""
+    producers hand over exactly the bytes the Linears would have computed). rollout.engine_ops=fused:
+    the engine runs the same producers (`jetrl.rollout.vllm_model`) and the lint still passes."""
     import torch
 
     from jetrl.convert import convert_model
@@ -285,11 +286,12 @@ def test_fused_producers(out_dir):
     raw = apply_overrides(
         DEFAULT_CONFIG,
         [*SHORT, "run.name=fused", f"run.out_dir={out_dir}", "run.steps=1", "run.eval_prompts=0"]
-        + ["model.numerics=hf", "model.fuse_producers=true"],
+        + ["model.numerics=hf", "model.fuse_producers=true", "rollout.engine_ops=fused"],
     )
     tr = Trainer(config_from_dict(raw), overwrite=True, log=lambda *a: None)
     try:
         tr.setup()
+        assert tr.engine.apply(lambda m: (type(m).__name__, m.jetrl_ops)) == [("JetrlQwen3ForCausalLM", "fused")]
         mods = dict(tr.model.named_modules())
         n_layers = tr.model.config.num_hidden_layers
         assert sum(isinstance(m, JetRMSNormQuant) for m in mods.values()) == 2 * n_layers

@@ -13,7 +13,7 @@ verl = pytest.importorskip("verl", reason="needs verl (the verl test environment
 from jetrl.testing.recipes import compose_verl as compose  # noqa: E402
 from jetrl.testing.recipes import overrides_dict, recipe_argv, verl_recipes  # noqa: E402
 
-JETRL_KEYS = {"jetrl.recipe", "jetrl.dry_run", "jetrl.lint", "jetrl.proceed_on_lint_violation"}
+JETRL_KEYS = {"jetrl.recipe", "jetrl.engine_ops", "jetrl.dry_run", "jetrl.lint", "jetrl.proceed_on_lint_violation"}
 """The section `python -m jetrl.verl` adds to verl's config (interfaces.md)."""
 RECIPES = verl_recipes()
 

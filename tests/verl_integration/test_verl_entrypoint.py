@@ -63,6 +63,22 @@ def test_jetrl_unified_selects_jetrls_engine_and_rollout(ckpt):
     assert cfg.actor_rollout_ref.model.external_lib == "jetrl.verl.plugin"
     assert cfg.actor_rollout_ref.rollout.quantization is None
     assert changed["actor_rollout_ref.rollout.name"] == "jetrl_vllm"
+    assert cfg.jetrl.engine_ops == "vllm" and env.JETRL_ENGINE_OPS == "vllm"
+    cfg = compose(_base(ckpt) + ["jetrl.engine_ops=hf"])
+    validate(cfg)
+    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.JETRL_ENGINE_OPS == "hf"
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        (["jetrl.engine_ops=fused"], r"jetrl\.engine_ops='fused'.*no fused producers"),
+        (["jetrl.engine_ops=hf", "jetrl.recipe=bf16"], r"jetrl\.engine_ops='hf' needs jetrl\.recipe=jetrl-unified"),
+    ],
+)
+def test_engine_ops_are_validated_naming_the_key(ckpt, extra, named):
+    with pytest.raises(ConfigError, match=named):
+        validate(compose(_base(ckpt) + extra))
 
 
 @pytest.mark.parametrize(("recipe", "quantization"), [("naive-fp8-rollout", "fp8"), ("bf16", None)])
@@ -255,7 +271,7 @@ def test_the_unified_lint_starts_its_engine_as_the_rollout_will_run(ckpt, monkey
         "path": str(ckpt),
         "recipe": "jetrl-unified",
         "rollout": "jetrl-vllm",
-        "engine_kwargs": {"enforce_eager": eager},
+        "engine_kwargs": {"enforce_eager": eager, "engine_ops": "vllm"},
     }
 
 

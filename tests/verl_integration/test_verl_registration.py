@@ -81,6 +81,7 @@ def test_server_runs_jetrls_method_with_the_extension(monkeypatch):
     monkeypatch.setenv("JETRL_RECIPE", "jetrl-unified")
     server = object.__new__(JetrlvLLMHttpServer)  # only the two hooks are exercised
     server.config = types.SimpleNamespace(quantization=None)
+    server.model_config = types.SimpleNamespace(hf_config=types.SimpleNamespace(architectures=["Qwen3ForCausalLM"]))
     assert server._get_worker_extension_cls() == WORKER_EXTENSION
     module, _, cls = WORKER_EXTENSION.rpartition(".")
     ext = getattr(__import__(module, fromlist=[cls]), cls)
@@ -89,6 +90,10 @@ def test_server_runs_jetrls_method_with_the_extension(monkeypatch):
     assert method == "jetrl_fp8"
     assert overrides["quantization_config"]["quant_method"] == "jetrl_fp8"
     assert overrides["quantization_config"]["recipe"] == "jetrl-unified"
+    assert "architectures" not in overrides  # JETRL_ENGINE_OPS unset: vLLM's own model
+    monkeypatch.setenv("JETRL_ENGINE_OPS", "hf")
+    _, overrides = server._apply_quantization()
+    assert overrides["architectures"] == ["JetrlQwen3ForCausalLM"] and overrides["jetrl_ops"] == "hf"
     server.config = types.SimpleNamespace(quantization="fp8")
     with pytest.raises(ValueError, match=r"actor_rollout_ref\.rollout\.quantization='fp8'"):
         server._apply_quantization()
