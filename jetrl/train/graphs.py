@@ -7,10 +7,12 @@ sizes, so the FP8 training phase is host-bound. A replayed CUDA graph issues the
 
 How: `GraphedLogprobs` keeps, per shape bucket, one graph pair (forward, backward:
 `torch.cuda.make_graphed_callables`) and one no-grad forward graph (log-probs and entropies). A micro-batch
-``[rows, width]`` is padded on the right to the bucket ``[R, W]``: ``W`` the next power of two >= width (at
-least `MIN_WIDTH`), ``R`` the micro-batch size, or with a token budget the most rows a micro-batch of that
-bucket can have (``budget // (W // 2 + 1)``, capped by the micro-batch size; the narrowest bucket takes the
-micro-batch size). Padding columns have attention mask 0; a padding row attends to its first token only, so
+``[rows, width]`` is padded on the right to the bucket ``[R, W]``: ``W`` the narrowest `bucket_widths` >= width
+(powers of two from `MIN_WIDTH`, and the engine's context length rounded up to 64 as the top: with power-of-two
+buckets only, 512-token responses after a 16-token prompt ran in 1024-wide buckets, and BF16's update got
+slower on graphs than eager), ``R`` the micro-batch size, or with a token budget the most rows a micro-batch of
+that bucket can have (``budget // (previous width + 1)``, capped by the micro-batch size; the narrowest bucket
+takes the micro-batch size). Padding columns have attention mask 0; a padding row attends to its first token only, so
 that no batch row is fully masked: on the H200 the GPU test's `bf16` q/k/v wgrads came out all NaN, eager and
 graphed alike, for a bucket with a fully masked row (finite on CPU; the likely source is CUDA SDPA's backward
 over a row with no key to attend to, which spreads NaN into every wgrad although the row's log-probs are cut
@@ -57,21 +59,33 @@ def _next_pow2(n: int) -> int:
 
 
 def bucket_widths(max_width: int) -> list[int]:
-    """Every bucket width a sequence of at most `max_width` tokens can fall in."""
+    """Every bucket width a sequence of at most `max_width` tokens can fall in: the powers of two from
+    `MIN_WIDTH` below the top, and the top, `max_width` rounded up to a multiple of `MIN_WIDTH` (a
+    power-of-two top would pad the longest sequences, the common case of long rollouts, up to 2x)."""
     if max_width < 1:
         raise ValueError(f"bucket_widths: max_width={max_width} must be >= 1")
-    top = max(MIN_WIDTH, _next_pow2(max_width))
+    top = -(-max_width // MIN_WIDTH) * MIN_WIDTH
     widths, w = [], MIN_WIDTH
-    while w <= top:
+    while w < top:
         widths.append(w)
         w *= 2
-    return widths
+    return [*widths, top]
 
 
-def bucket_shape(rows: int, width: int, *, max_rows: int, max_tokens: int | None) -> tuple[int, int]:
-    """The bucket ``(R, W)`` of a micro-batch of `rows` sequences padded to `width` tokens."""
-    w = max(MIN_WIDTH, _next_pow2(width))
-    shortest = 1 if w == MIN_WIDTH else w // 2 + 1  # the narrowest micro-batch this bucket takes
+def bucket_shape(
+    rows: int, width: int, *, max_rows: int, max_tokens: int | None, max_width: int | None = None
+) -> tuple[int, int]:
+    """The bucket ``(R, W)`` of a micro-batch of `rows` sequences padded to `width` tokens, among the
+    `bucket_widths` of `max_width` (None: unbounded powers of two)."""
+    widths = bucket_widths(max_width) if max_width is not None else [MIN_WIDTH]
+    while max_width is None and widths[-1] < width:
+        widths.append(widths[-1] * 2)
+    fits = [i for i, w in enumerate(widths) if w >= width]
+    if not fits:
+        raise ValueError(f"cuda graphs: a micro-batch {width} tokens wide exceeds the widest bucket {widths[-1]}")
+    i = fits[0]
+    w = widths[i]
+    shortest = 1 if i == 0 else widths[i - 1] + 1  # the narrowest micro-batch this bucket takes
     r = max_rows if max_tokens is None else max(1, min(max_rows, max_tokens // shortest))
     if rows > r:
         raise ValueError(
@@ -147,8 +161,9 @@ class GraphedLogprobs:
         _require_cuda(model)
         self.model, self.pad_id = model, pad_id
         self.max_rows, self.max_tokens = max_rows, max_tokens
+        self._limits = {"max_rows": max_rows, "max_tokens": max_tokens, "max_width": max_width}
         self.buckets = sorted(
-            {bucket_shape(1, w, max_rows=max_rows, max_tokens=max_tokens) for w in bucket_widths(max_width)},
+            {bucket_shape(1, w, **self._limits) for w in bucket_widths(max_width)},
             key=lambda rw: rw[1],
         )
         self.temperature = temperature
@@ -181,7 +196,7 @@ class GraphedLogprobs:
 
     def _bucket(self, sub: TokenBatch, width: int) -> tuple[int, int]:
         rows = sub.input_ids.shape[0]
-        key = bucket_shape(rows, width, max_rows=self.max_rows, max_tokens=self.max_tokens)
+        key = bucket_shape(rows, width, **self._limits)
         if key not in self._graphs:
             raise RuntimeError(
                 f"cuda graphs: no graph was captured for bucket {key} (rows {rows}, width {width}); the buckets "

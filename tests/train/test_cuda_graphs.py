@@ -14,12 +14,20 @@ from jetrl.train.graphs import MIN_WIDTH, GraphedLogprobs, bucket_shape, bucket_
 from jetrl.train.policy import TokenBatch, micro_batches
 
 
-def test_bucket_widths_cover_every_length_with_powers_of_two():
+def test_bucket_widths_cover_every_length_with_powers_of_two_and_a_tight_top():
     assert bucket_widths(1) == [64] and bucket_widths(64) == [64] and bucket_widths(65) == [64, 128]
-    assert bucket_widths(1000) == [64, 128, 256, 512, 1024]
+    assert bucket_widths(1000) == [64, 128, 256, 512, 1024] and bucket_widths(1024) == [64, 128, 256, 512, 1024]
+    # a 16-token prompt + 512-token response (the e2e benchmark): a 576-wide top, not 1024
+    assert bucket_widths(528) == [64, 128, 256, 512, 576]
     for n in range(1, 1100, 7):
-        r, w = bucket_shape(1, n, max_rows=8, max_tokens=None)
-        assert r == 8 and w in bucket_widths(1100) and w >= n and (w == MIN_WIDTH or w < 2 * n)
+        r, w = bucket_shape(1, n, max_rows=8, max_tokens=None)  # unbounded: powers of two
+        assert r == 8 and w & (w - 1) == 0 and w >= n and (w == MIN_WIDTH or w < 2 * n)
+        r, w = bucket_shape(1, n, max_rows=8, max_tokens=None, max_width=1100)
+        assert w in bucket_widths(1100) and w >= n and (w == MIN_WIDTH or w < 2 * n)
+    assert bucket_shape(1, 520, max_rows=8, max_tokens=None, max_width=528) == (8, 576)
+    assert bucket_shape(1, 520, max_rows=64, max_tokens=4096, max_width=528) == (7, 576)  # 4096 // 513
+    with pytest.raises(ValueError, match="600 tokens wide exceeds the widest bucket 576"):
+        bucket_shape(1, 600, max_rows=8, max_tokens=None, max_width=528)
 
 
 @pytest.mark.parametrize("max_seqs", [16, 64])
@@ -31,7 +39,7 @@ def test_every_micro_batch_fits_its_bucket(budget, max_seqs):
         lengths = [rng.randint(2, top) for _ in range(rng.randint(1, 150))]
         for mb in micro_batches(lengths, list(range(len(lengths))), max_seqs=max_seqs, max_tokens=budget):
             width = max(lengths[i] for i in mb)
-            r, w = bucket_shape(len(mb), width, max_rows=max_seqs, max_tokens=budget)
+            r, w = bucket_shape(len(mb), width, max_rows=max_seqs, max_tokens=budget, max_width=top + 1)
             assert len(mb) <= r <= max_seqs and width <= w
             if budget is not None and w > MIN_WIDTH:
                 assert r * w < 2 * budget, (r, w, budget)  # the padding a bucket adds: < 2x the budget
