@@ -108,6 +108,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", default=None, help="PNG path (default: the JSON path with .png; 'none' skips)")
     p.add_argument("--plot-only", default=None, metavar="JSON", help="draw the plot of an existing JSON and exit")
     p.add_argument("--commit", default=None, help="git commit measured (default: git rev-parse HEAD)")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="no run: one result (to --out) from JSONs of separate calls, same settings and model",
+    )
     args = p.parse_args(argv)
     if not 0 < args.temperature:
         p.error(f"--temperature must be > 0, got {args.temperature}")
@@ -451,6 +458,31 @@ def _base_result(args, model_info: dict) -> dict:
     }
 
 
+def merge(paths: list[Path]) -> dict:
+    """One result from runs of separate calls (a device call fits only a few modes): their modes, errors
+    and unavailable entries side by side. Refuses runs of other settings or another model (the warm-up's
+    figures included, so every mode scored the same checkpoint) and a mode measured twice, naming the file."""
+    results = [json.loads(Path(p).read_text()) for p in paths]
+    for r, p in zip(results, paths, strict=True):
+        validate(r)
+        for key in ("settings", "model", "device"):
+            if r[key] != results[0][key]:
+                raise ValueError(f"--merge: {p} has another {key} than {paths[0]}: {r[key]} != {results[0][key]}")
+    out = {**results[0], "modes": {}, "unavailable": {}, "errors": {}}
+    out["merged_from"] = [{"file": str(p), **{k: r[k] for k in ("commit", "date", "command")}}
+                          for r, p in zip(results, paths, strict=True)]  # fmt: skip
+    for r, p in zip(results, paths, strict=True):
+        for part in ("modes", "unavailable", "errors"):
+            for mode, v in r[part].items():
+                if mode in out["modes"] or mode in out["unavailable"] or mode in out["errors"]:
+                    raise ValueError(f"--merge: {p} measures mode {mode!r} again")
+                out[part][mode] = v
+    commits = {r["commit"] for r in results}
+    out["commit"] = ",".join(sorted(commits))
+    out["summary"] = ratios(out["modes"])
+    return out
+
+
 def _save(result: dict, out: Path) -> None:
     result["summary"] = ratios(result["modes"])
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -526,6 +558,15 @@ def run(args, out: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        if not args.out:
+            raise SystemExit("--merge needs --out")
+        result = merge([Path(m) for m in args.merge])
+        _save(result, Path(args.out))
+        if args.plot != "none":
+            plot(result, Path(args.plot) if args.plot else Path(args.out).with_suffix(".png"))
+        print(f"wrote {args.out}: modes {sorted(result['modes'])}, summary {result['summary']}")
+        return 0
     if args.plot_only:
         src = Path(args.plot_only)
         result = json.loads(src.read_text())

@@ -175,3 +175,28 @@ def test_plot_only_reads_a_json(bench, tmp_path):
     src.write_text(json.dumps(_result(bench)))
     assert bench.main(["--plot-only", str(src)]) == 0
     assert (tmp_path / "fid.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_merge_joins_the_modes_of_separate_calls_and_refuses_what_differs(bench, tmp_path):
+    import json
+
+    a, b = _result(bench), _result(bench)
+    del a["modes"]["jetrl_fp8"]
+    b["modes"]["jetrl_fp8_hf_ops"] = b["modes"].pop("jetrl_fp8")
+    del b["modes"]["bf16"]
+    b["commit"], b["errors"] = "def456", {"jetrl_fp8_fused_ops": "Traceback ..."}
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    out = tmp_path / "m.json"
+    assert bench.main(["--merge", str(pa), str(pb), "--out", str(out), "--plot", "none"]) == 0
+    m = json.loads(out.read_text())
+    bench.validate(m)
+    assert sorted(m["modes"]) == ["bf16", "jetrl_fp8_hf_ops"] and list(m["errors"]) == ["jetrl_fp8_fused_ops"]
+    assert m["commit"] == "abc123,def456" and [r["commit"] for r in m["merged_from"]] == ["abc123", "def456"]
+    assert m["summary"]["jetrl_fp8_hf_ops_over_bf16"] == pytest.approx(2.0, rel=1e-3)
+    with pytest.raises(ValueError, match="measures mode 'bf16' again"):
+        bench.merge([pa, pa])
+    pb.write_text(json.dumps({**b, "model": {"name": "tiny", "final_loss": 0.31}}))
+    with pytest.raises(ValueError, match=r"b\.json has another model"):
+        bench.merge([pa, pb])
