@@ -62,6 +62,9 @@ ENGINE_OPS = {"bf16_hf_ops": "hf", "jetrl_fp8_hf_ops": "hf", "jetrl_fp8_fused_op
 vLLM's own model). ``fused``: the trainer runs its fused producers too (``model.fuse_producers``)."""
 DEFAULT_MODES = ("bf16", "naive_fp8", "jetrl_fp8", "stock_fp8")
 STAT_KEYS = ("tokens", "mean_abs", "p99_abs", "max_abs", "is_ratio_mean", "is_ratio_max", "entropy_mean", "nll_mean")
+EXACT_KEYS = ("frac_equal", "frac_le_1e-6")
+"""Added at 9141a2e+ (not required of older results): the share of tokens whose two log-probs are the same
+fp32 number, and within 1e-6 (equal logits; the two sides' fp32 log-softmax may round apart)."""
 SCHEMA_VERSION = 1
 
 
@@ -130,7 +133,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def stats(rollout, trainer, entropy) -> dict:
     """The fidelity figures of aligned fp32 token tensors (engine log-probs, trainer log-probs, trainer
-    entropies): |dlogp| mean / p99 / max, IS ratio exp(trainer - rollout) mean / max, entropy and NLL means."""
+    entropies): |dlogp| mean / p99 / max, IS ratio exp(trainer - rollout) mean / max, entropy and NLL means,
+    the shares of tokens with |dlogp| == 0 and <= 1e-6."""
     import torch
 
     if not (rollout.shape == trainer.shape == entropy.shape) or rollout.dim() != 1:
@@ -140,7 +144,7 @@ def stats(rollout, trainer, entropy) -> dict:
         )
     n = int(rollout.numel())
     if n == 0:
-        return {"tokens": 0, **{k: None for k in STAT_KEYS[1:]}}
+        return {"tokens": 0, **{k: None for k in STAT_KEYS[1:] + EXACT_KEYS}}
     d = (trainer - rollout).double()
     a = d.abs()
     ratio = d.exp()
@@ -153,6 +157,8 @@ def stats(rollout, trainer, entropy) -> dict:
         "is_ratio_max": float(ratio.max()),
         "entropy_mean": float(entropy.double().mean()),
         "nll_mean": float(-trainer.double().mean()),
+        "frac_equal": float((a == 0).double().mean()),
+        "frac_le_1e-6": float((a <= 1e-6).double().mean()),
     }
 
 
@@ -458,6 +464,13 @@ def _base_result(args, model_info: dict) -> dict:
     }
 
 
+def _untimed(d):
+    """`d` without its ``seconds`` entries (the warm-up's duration differs between equal runs)."""
+    if isinstance(d, dict):
+        return {k: _untimed(v) for k, v in d.items() if k != "seconds"}
+    return d
+
+
 def merge(paths: list[Path]) -> dict:
     """One result from runs of separate calls (a device call fits only a few modes): their modes, errors
     and unavailable entries side by side. Refuses runs of other settings or another model (the warm-up's
@@ -466,7 +479,7 @@ def merge(paths: list[Path]) -> dict:
     for r, p in zip(results, paths, strict=True):
         validate(r)
         for key in ("settings", "model", "device"):
-            if r[key] != results[0][key]:
+            if _untimed(r[key]) != _untimed(results[0][key]):
                 raise ValueError(f"--merge: {p} has another {key} than {paths[0]}: {r[key]} != {results[0][key]}")
     out = {**results[0], "modes": {}, "unavailable": {}, "errors": {}}
     out["merged_from"] = [{"file": str(p), **{k: r[k] for k in ("commit", "date", "command")}}

@@ -72,6 +72,9 @@ def test_stats_against_hand_computed_figures(bench):
     assert s["is_ratio_max"] == pytest.approx(math.exp(0.2), abs=1e-6)
     assert s["p99_abs"] == pytest.approx(0.1 + 0.97 * 0.1, abs=1e-6)  # linear interpolation at q=0.99
     assert s["entropy_mean"] == pytest.approx(0.5) and s["nll_mean"] == pytest.approx(0.875, abs=1e-6)
+    assert s["frac_equal"] == 0.5 and s["frac_le_1e-6"] == 0.5  # tokens 2 and 4 are the same fp32 number
+    s = bench.stats(rollout, rollout + torch.tensor([0.0, 5e-7, 2e-6, 0.0]), ent)
+    assert s["frac_equal"] == 0.5 and s["frac_le_1e-6"] == 0.75
 
 
 def test_stats_refuses_misaligned_tensors_and_reports_empty_as_none(bench):
@@ -185,6 +188,8 @@ def test_merge_joins_the_modes_of_separate_calls_and_refuses_what_differs(bench,
     b["modes"]["jetrl_fp8_hf_ops"] = b["modes"].pop("jetrl_fp8")
     del b["modes"]["bf16"]
     b["commit"], b["errors"] = "def456", {"jetrl_fp8_fused_ops": "Traceback ..."}
+    b["model"] = {**b["model"], "warmup": {"loss_end": 1.1, "seconds": 9.3}}  # the duration may differ
+    a["model"] = {**a["model"], "warmup": {"loss_end": 1.1, "seconds": 8.1}}
     pa, pb = tmp_path / "a.json", tmp_path / "b.json"
     pa.write_text(json.dumps(a))
     pb.write_text(json.dumps(b))
@@ -197,6 +202,6 @@ def test_merge_joins_the_modes_of_separate_calls_and_refuses_what_differs(bench,
     assert m["summary"]["jetrl_fp8_hf_ops_over_bf16"] == pytest.approx(2.0, rel=1e-3)
     with pytest.raises(ValueError, match="measures mode 'bf16' again"):
         bench.merge([pa, pa])
-    pb.write_text(json.dumps({**b, "model": {"name": "tiny", "final_loss": 0.31}}))
+    pb.write_text(json.dumps({**b, "model": {**b["model"], "warmup": {"loss_end": 1.2, "seconds": 9.3}}}))
     with pytest.raises(ValueError, match=r"b\.json has another model"):
         bench.merge([pa, pb])
