@@ -207,7 +207,8 @@ def summarize(per_sample: list[dict], response_ids: list[list[int]], eos_id: int
 
 
 def ratios(modes: dict) -> dict:
-    """Mean |dlogp| of each FP8 mode over bf16's (the BF16 pair's floor) and naive over jetrl_fp8."""
+    """Mean |dlogp| of each FP8 mode over bf16's (the BF16 pair's floor; the trainer-matched modes also over
+    bf16_hf_ops's) and naive over each unified mode."""
     mean = {m: r["overall"]["mean_abs"] for m, r in modes.items() if r.get("overall")}
     out = {}
     for m in ("naive_fp8", "jetrl_fp8", "stock_fp8", "jetrl_fp8_hf_ops", "jetrl_fp8_fused_ops"):
@@ -216,8 +217,9 @@ def ratios(modes: dict) -> dict:
     for m in ("jetrl_fp8_hf_ops", "jetrl_fp8_fused_ops"):
         if m in mean and mean.get("bf16_hf_ops"):
             out[f"{m}_over_bf16_hf_ops"] = mean[m] / mean["bf16_hf_ops"]
-    if "naive_fp8" in mean and mean.get("jetrl_fp8"):
-        out["naive_fp8_over_jetrl_fp8"] = mean["naive_fp8"] / mean["jetrl_fp8"]
+    for m in ("jetrl_fp8", "jetrl_fp8_hf_ops", "jetrl_fp8_fused_ops"):
+        if "naive_fp8" in mean and mean.get(m):
+            out[f"naive_fp8_over_{m}"] = mean["naive_fp8"] / mean[m]
     return out
 
 
@@ -275,7 +277,7 @@ def plot(result: dict, path: Path) -> Path:
         rows = [row for row in r["by_position"] if row["tokens"]]
         mid = [(row["start"] + row["end"]) / 2 for row in rows]
         o = r["overall"]
-        label = f"{mode} (mean {o['mean_abs']:.4f}, H {o['entropy_mean']:.2f} nats)"
+        label = f"{mode} (mean {o['mean_abs']:.2e}, H {o['entropy_mean']:.2f} nats)"
         axes[0].plot(mid, [max(row["mean_abs"], 1e-9) for row in rows], marker="o", label=label)
         axes[1].plot(mid, [max(row["max_abs"], 1e-9) for row in rows], marker="o", label=mode)
     for ax, what in zip(axes, ("mean", "max"), strict=True):
