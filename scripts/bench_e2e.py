@@ -104,6 +104,9 @@ def _config(args, recipe: str, model_path: str, out_dir: str) -> dict:
                 else {}
             ),
             "ignore_eos": True,
+            "engine_ops": "hf"
+            if args.engine_ops == "fused" and not Recipe.from_name(recipe).train_fp8
+            else args.engine_ops,
         },
         "algo": {
             "name": "grpo",
@@ -158,6 +161,7 @@ CONFIG_KEYS = (
     "micro_batch_size",
     "micro_batch_tokens",
     "fuse",
+    "engine_ops",
     "cuda_graphs",
     "train_cuda_graphs",
     "backend",
@@ -190,6 +194,13 @@ def parse_args(argv: list[str] | None):
         action="store_true",
         help="FP8 recipe: fused RMSNorm/SwiGLU quantizing producers (model.fuse_producers)",
     )
+    p.add_argument(
+        "--engine-ops",
+        choices=("vllm", "hf", "fused"),
+        default="vllm",
+        help="the engine's ops between the Linears (rollout.engine_ops; 'fused' needs --fuse and runs the bf16 "
+        "recipe, which has no fused producers, with 'hf')",
+    )
     p.add_argument("--cuda-graphs", action="store_true", help="let vLLM capture CUDA graphs (enforce_eager=False)")
     p.add_argument(
         "--train-cuda-graphs",
@@ -221,6 +232,9 @@ def parse_args(argv: list[str] | None):
     bad = [r for r in args.recipes if r not in RECIPES]
     if bad or not args.recipes:
         p.error(f"--recipes {','.join(args.recipes)}: choose from {','.join(RECIPES)}")
+    if args.engine_ops != "vllm" and args.fuse != (args.engine_ops == "fused"):
+        p.error(f"--engine-ops {args.engine_ops} computes the norms as a trainer {'with' if args.fuse else 'without'} "
+                f"--fuse does not: use --engine-ops {'fused' if args.fuse else 'hf'}")  # fmt: skip
     args.prompts = args.prompts or (16 if args.tiny else 32)
     args.max_tokens = args.max_tokens or (16 if args.tiny else 512)
     args.micro_batch_size = args.micro_batch_size or (64 if args.tiny else 8)

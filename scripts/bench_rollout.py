@@ -73,9 +73,15 @@ MODES = {
     "stock_fp8": ("jetrl-unified", "stock"),
     "naive_fp8": ("naive-fp8-rollout", "jetrl"),
     "stock_naive_fp8": ("naive-fp8-rollout", "stock"),
+    "bf16_hf_ops": ("bf16", "jetrl"),
+    "jetrl_fp8_hf_ops": ("jetrl-unified", "jetrl"),
+    "jetrl_fp8_fused_ops": ("jetrl-unified", "jetrl"),
 }
 """mode -> (recipe, rollout). naive_fp8 is jetrl's emulation (CPU); stock_naive_fp8 is vLLM's own online
 per-tensor FP8 (GPU)."""
+ENGINE_OPS = {"bf16_hf_ops": "hf", "jetrl_fp8_hf_ops": "hf", "jetrl_fp8_fused_ops": "fused"}
+"""Modes on `jetrl.rollout.vllm_model`'s trainer-matched model (the cost of the trainer's ops in the engine);
+the others run vLLM's own model."""
 DEFAULT_MODES = {"cpu": ["bf16", "jetrl_fp8", "naive_fp8", "stock_fp8"], "gpu": ["bf16", "jetrl_fp8", "stock_fp8"]}
 
 
@@ -178,6 +184,7 @@ def _run_mode(args, mode, recipe, rollout, path, vocab, shapes, result) -> None:
         enforce_eager=args.enforce_eager,
         rollout=rollout,
         backend=args.backend,
+        engine_ops=ENGINE_OPS.get(mode, "vllm"),
         **kw,
     )
     try:
@@ -247,7 +254,10 @@ def summarize(result: dict) -> dict:
     stock_fp8 and >= 1.2x bf16 at batch 256) and the jetrl_fp8 sync seconds, from `result`."""
     tok = {mode: {str(r["batch"]): r["tok_s"] for r in rows} for mode, rows in result["decode"].items()}
     out: dict = {}
-    for a, b in (("jetrl_fp8", "stock_fp8"), ("jetrl_fp8", "bf16"), ("stock_fp8", "bf16")):
+    pairs = [("jetrl_fp8", "stock_fp8"), ("jetrl_fp8", "bf16"), ("stock_fp8", "bf16")]
+    pairs += [("bf16_hf_ops", "bf16"), ("jetrl_fp8_hf_ops", "jetrl_fp8"), ("jetrl_fp8_fused_ops", "jetrl_fp8")]
+    pairs += [("jetrl_fp8_fused_ops", "bf16"), ("jetrl_fp8_hf_ops", "bf16")]
+    for a, b in pairs:
         if a in tok and b in tok:
             out[f"{a}_over_{b}"] = {k: tok[a][k] / tok[b][k] for k in tok[a] if k in tok[b]}
     for kind, r in result["sync"].get("jetrl_fp8", {}).items():

@@ -85,3 +85,16 @@ def test_result_names(bench, tmp_path):
     assert bench.result_path(part, tmp_path).name == "e2e-llama3.1-8b-l8-nvidia-h200.json"
     part.update(device="CPU x86_64 x2", shape=None)
     assert bench.result_path(part, tmp_path).name == "e2e-cpu.json"
+
+
+def test_engine_ops_follow_the_trainers_producers(bench, capsys):
+    for argv in (["--engine-ops", "fused"], ["--engine-ops", "hf", "--fuse"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+        assert "--engine-ops" in capsys.readouterr().err
+    args = bench.parse_args(["--engine-ops", "fused", "--fuse"])
+    unified = bench._config(args, "jetrl-unified", "/m", "/r")
+    bf16 = bench._config(args, "bf16", "/m", "/r")
+    assert (unified["rollout"]["engine_ops"], unified["model"]["fuse_producers"]) == ("fused", True)
+    assert (bf16["rollout"]["engine_ops"], bf16["model"]["fuse_producers"]) == ("hf", False)  # no bf16 producers
+    assert bench.parse_args([]).engine_ops == "vllm" and "engine_ops" in bench.CONFIG_KEYS

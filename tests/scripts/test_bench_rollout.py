@@ -24,6 +24,12 @@ def test_summary_ratios_per_batch_and_sync_seconds(bench):
     assert s["jetrl_fp8_over_bf16"] == {"64": 1.25, "256": 1.25}
     assert "jetrl_fp8_over_stock_fp8" not in s  # no stock run, no ratio invented
     assert s["sync_jetrl_fp8_first_s"] == 1.5 and s["sync_jetrl_fp8_after_update_s"] == 0.5
+    # the trainer-matched engine's cost: its decode over the same recipe on vLLM's own model
+    result["decode"]["jetrl_fp8_fused_ops"] = _rows((64, 100.0), (256, 225.0))
+    s = bench.summarize(result)
+    assert s["jetrl_fp8_fused_ops_over_jetrl_fp8"] == {"64": 0.8, "256": 0.9}
+    assert s["jetrl_fp8_fused_ops_over_bf16"] == {"64": 1.0, "256": 1.125}
+    assert bench.ENGINE_OPS["jetrl_fp8_fused_ops"] == "fused" and bench.MODES["bf16_hf_ops"] == ("bf16", "jetrl")
 
 
 def test_merge_takes_only_modes_this_run_lacks(bench):
