@@ -44,6 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="--numeric: the trainer's ops between the Linears (auto: the export's jetrl.json, else vllm-cpu on a "
         "CPU engine, hf on GPU)",
     )
+    p.add_argument(
+        "--engine-ops",
+        choices=("auto", "vllm", "hf"),
+        default="auto",
+        help="jetrl-vllm: the engine's ops between the Linears (rollout.engine_ops; auto: the export's jetrl.json, "
+        "else vllm)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--backend", default="auto", help="jetrl.gemm backend of the trainer and the jetrl_fp8 engine")
     p.add_argument(
@@ -76,6 +83,20 @@ def resolve_numerics(choice: str, model: str, rollout: str) -> str:
     return "vllm-cpu" if rollout == "jetrl-vllm" and not torch.cuda.is_available() else "hf"
 
 
+def resolve_engine_ops(choice: str, model: str) -> str:
+    """The engine ops of `--engine-ops` (auto: the export's ``jetrl.json``, else 'vllm')."""
+    if choice != "auto":
+        return choice
+    meta = Path(model) / "jetrl.json"
+    ops = json.loads(meta.read_text()).get("engine_ops", "vllm") if meta.is_file() else "vllm"
+    if ops == "fused":
+        raise ValueError(
+            f"{meta}: the run's engine ran engine_ops 'fused'; the lint captures the trainer unfused, so pass "
+            "--engine-ops hf (the same formulas through transformers' modules)"
+        )
+    return ops
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -83,21 +104,27 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse: --help exits 0, usage errors 2
         return int(e.code or 0)
     if args.rollout == "jetrl-vllm":
-        stock_only = {
+        misplaced = {
             "--quantization": args.quantization is not None,
             "--tensor-parallel-size": args.tensor_parallel_size != 1,
             "--quant-op": args.quant_op != "cuda",
         }
-        bad = [flag for flag, given in stock_only.items() if given]
-        if bad:
-            print(f"jetrl lint: error: {', '.join(bad)} only apply to --rollout stock-vllm", file=sys.stderr)
-            return 2
+        where = "stock-vllm"
+    else:
+        misplaced, where = {"--engine-ops": args.engine_ops not in ("auto", "vllm")}, "jetrl-vllm"
+    bad = [flag for flag, given in misplaced.items() if given]
+    if bad:
+        print(f"jetrl lint: error: {', '.join(bad)} only apply to --rollout {where}", file=sys.stderr)
+        return 2
     from jetrl.lint.api import LintEnvError, lint
     from jetrl.lint.layout import LayoutError
     from jetrl.lint.stock_vllm import StockConfigError, StockVllmSettings
 
     try:
         numerics = resolve_numerics(args.numerics, args.model, args.rollout) if args.numeric else None
+        engine_ops = resolve_engine_ops(args.engine_ops, args.model) if args.rollout == "jetrl-vllm" else "vllm"
+        if engine_ops != "vllm" and numerics == "vllm-cpu":
+            raise ValueError(f"--engine-ops {engine_ops} runs the trainer's ops in the engine; use --numerics hf")
     except ValueError as e:
         print(f"jetrl lint: error: {e}", file=sys.stderr)
         return 2
@@ -132,7 +159,11 @@ def main(argv: list[str] | None = None) -> int:
                 stock=stock,
                 backend=args.backend,
                 served_path=args.served,
-                engine_kwargs={"kv_cache_dtype": args.kv_cache_dtype} if args.rollout == "jetrl-vllm" else None,
+                engine_kwargs=(
+                    {"kv_cache_dtype": args.kv_cache_dtype, "engine_ops": engine_ops}
+                    if args.rollout == "jetrl-vllm"
+                    else None
+                ),
                 training=training,
                 probe=probe,
             )

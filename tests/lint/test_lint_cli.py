@@ -20,6 +20,7 @@ FROZEN_FLAGS = {
     "--rollout",
     "--numeric",
     "--numerics",
+    "--engine-ops",
     "--json",
     "--backend",
     "--served",
@@ -82,6 +83,12 @@ def test_exit_2_on_usage_and_environment_errors(tmp_path, tiny_ckpt, capsys):
     assert "numeric mode needs a live engine" in capsys.readouterr().err
     assert main(["--model", str(tiny_ckpt), "--recipe", "jetrl-unified", "--tensor-parallel-size", "2"]) == 2
     assert "--tensor-parallel-size only apply to --rollout stock-vllm" in capsys.readouterr().err
+    argv = ["--model", str(tiny_ckpt), "--recipe", "jetrl-unified", "--rollout", "stock-vllm", "--engine-ops", "hf"]
+    assert main(argv) == 2
+    assert "--engine-ops only apply to --rollout jetrl-vllm" in capsys.readouterr().err
+    argv = ["--model", str(tiny_ckpt), "--recipe", "jetrl-unified", "--numeric", "--numerics", "vllm-cpu"]
+    assert main([*argv, "--engine-ops", "hf"]) == 2
+    assert "use --numerics hf" in capsys.readouterr().err
 
 
 @pytest.mark.vllm
@@ -126,6 +133,19 @@ def test_resolve_numerics_reads_the_exports_jetrl_json(tmp_path, tiny_ckpt):
     assert resolve_numerics("auto", str(tiny_ckpt), "jetrl-vllm") == want
     (tmp_path / "jetrl.json").write_text("{}")
     assert main(["--model", str(tmp_path), "--recipe", "jetrl-unified", "--numeric"]) == 2
+
+
+def test_resolve_engine_ops_reads_the_exports_jetrl_json(tmp_path, tiny_ckpt):
+    from jetrl.lint.cli import resolve_engine_ops
+
+    assert resolve_engine_ops("auto", str(tiny_ckpt)) == "vllm"  # no jetrl.json
+    (tmp_path / "jetrl.json").write_text(json.dumps({"numerics": "hf"}))  # an export from before engine_ops
+    assert resolve_engine_ops("auto", str(tmp_path)) == "vllm"
+    (tmp_path / "jetrl.json").write_text(json.dumps({"numerics": "hf", "engine_ops": "hf"}))
+    assert resolve_engine_ops("auto", str(tmp_path)) == "hf" and resolve_engine_ops("vllm", str(tmp_path)) == "vllm"
+    (tmp_path / "jetrl.json").write_text(json.dumps({"numerics": "hf", "engine_ops": "fused"}))
+    with pytest.raises(ValueError, match="pass --engine-ops hf"):
+        resolve_engine_ops("auto", str(tmp_path))
 
 
 def test_a_corrupt_checkpoint_points_to_the_served_flag_that_exists(tiny_ckpt, tmp_path):
