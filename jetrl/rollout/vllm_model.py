@@ -83,21 +83,27 @@ def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return weight * xf.to(x.dtype)
 
 
+def _summed(x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the rows to normalize ``[M, K]``, the residual stream out) of ``residual + x``, added in BF16 as
+    transformers adds (no residual: `x`, copied, since an op's output may not alias its input)."""
+    s = x if residual is None else residual + x
+    s2 = s.reshape(-1, s.shape[-1]).contiguous()
+    return s2, (s2.clone() if residual is None else s2).view(s.shape)
+
+
 @torch.library.custom_op("jetrl::engine_add_norm", mutates_args=())
 def _add_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, fused: bool, name: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(s), s) with ``s = residual + x`` (BF16, as transformers adds) or ``s = x`` without a residual."""
-    s = x if residual is None else residual + x
-    k = s.shape[-1]
-    s2 = s.reshape(-1, k).contiguous()
+    """(norm(s), s) with ``s = residual + x`` (or `x`): `hf_rms_norm`, or `jetrl.kernels.rmsnorm_quant`."""
+    rows, s = _summed(x, residual)
     if fused:
         from jetrl.kernels import rmsnorm_quant
 
-        y = rmsnorm_quant(s2, weight, eps, scale_layout="row", name=f"{name}:output")[0]
+        y = rmsnorm_quant(rows, weight, eps, scale_layout="row", name=f"{name}:output")[0]
     else:
-        y = hf_rms_norm(s2, weight, eps)
-    return y.view(s.shape), s2.view(s.shape).clone() if residual is None else s2.view(s.shape)
+        y = hf_rms_norm(rows, weight, eps)
+    return y.view(s.shape), s
 
 
 @_add_norm.register_fake
@@ -114,10 +120,9 @@ def _add_norm_quant(
     """`_add_norm` through `jetrl.kernels.rmsnorm_quant`, keeping its FP8 output: (y, q, s, residual)."""
     from jetrl.kernels import rmsnorm_quant
 
-    s = x if residual is None else residual + x
-    s2 = s.reshape(-1, s.shape[-1]).contiguous()
-    y, q, sc, _ = rmsnorm_quant(s2, weight, eps, scale_layout=scale_layout, name=f"{name}:output")
-    return y.view(s.shape), q, sc, s2.view(s.shape).clone() if residual is None else s2.view(s.shape)
+    rows, s = _summed(x, residual)
+    y, q, sc, _ = rmsnorm_quant(rows, weight, eps, scale_layout=scale_layout, name=f"{name}:output")
+    return y.view(s.shape), q, sc, s
 
 
 @_add_norm_quant.register_fake
@@ -194,6 +199,8 @@ def _rope(
     vLLM's flat ``[T, heads * head_dim]`` q and k at `positions`."""
     rot = _ROTARY[key]
     t = positions.numel()
+    if q.shape[0] != t or k.shape[0] != t:
+        raise ValueError(f"jetrl::engine_rope: {t} positions for q {tuple(q.shape)} and k {tuple(k.shape)}")
     q3 = q.reshape(t, -1, head_dim)
     k3 = k.reshape(t, -1, head_dim)
     cos, sin = rot(q3, positions.reshape(1, t))
