@@ -21,7 +21,13 @@ else:
     from ._runtime import check_nonfinite, reset_nonfinite
     from .quantize_1x128 import quantize_1x128, torch_quantize_1x128
     from .quantize_128x128 import quantize_128x128, torch_quantize_128x128
-    from .rmsnorm_quant import rmsnorm_backward, rmsnorm_quant, torch_rmsnorm_backward, torch_rmsnorm_quant
+    from .rmsnorm_quant import (
+        rmsnorm_backward,
+        rmsnorm_quant,
+        torch_rmsnorm,
+        torch_rmsnorm_backward,
+        torch_rmsnorm_quant,
+    )
     from .swiglu_quant import swiglu_backward, swiglu_quant, torch_swiglu_backward, torch_swiglu_quant
     from .transpose_quantize import (
         torch_transpose_quantize,
@@ -42,6 +48,7 @@ else:
         "transpose_requantize",
         "torch_transpose_requantize",
         "rmsnorm_quant",
+        "torch_rmsnorm",
         "torch_rmsnorm_quant",
         "rmsnorm_backward",
         "torch_rmsnorm_backward",

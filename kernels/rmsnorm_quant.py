@@ -55,6 +55,7 @@ from ._runtime import (
 
 __all__ = [
     "rmsnorm_quant",
+    "torch_rmsnorm",
     "torch_rmsnorm_quant",
     "launch_rmsnorm_quant",
     "rmsnorm_backward",
@@ -386,11 +387,17 @@ def torch_rmsnorm_quant(
     if scale_layout not in SCALE_LAYOUTS:
         raise ValueError(f"{OP}: scale_layout={scale_layout!r}, choose one of {SCALE_LAYOUTS}")
     quant.check_finite(x, name)
-    xf = x.to(torch.float32)
-    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    y = (weight * (xf * rstd).to(x.dtype)).to(x.dtype)
+    y, rstd = torch_rmsnorm(x, weight, eps)
     q, s = quant.quantize_1x128(y, name=f"{name} (rmsnorm output)")
     return y, q, to_scale_layout(s, scale_layout), rstd.squeeze(-1)
+
+
+def torch_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager HF Llama/Qwen RMSNorm of the last dim, any leading shape: (``weight * (x_f32 * rstd).to(x.dtype)``
+    in x.dtype, rstd ``[..., 1]`` fp32) -- transformers' formula, the reference of the fused kernel."""
+    xf = x.to(torch.float32)
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * (xf * rstd).to(x.dtype)).to(x.dtype), rstd
 
 
 def torch_rmsnorm_backward(

@@ -77,10 +77,11 @@ _ROTARY: dict[str, nn.Module] = {}
 
 
 def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Llama/Qwen RMSNorm: ``weight * (x_f32 * rsqrt(mean(x_f32^2) + eps)).to(x.dtype)``."""
-    xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """transformers' Llama/Qwen RMSNorm: ``weight * (x_f32 * rsqrt(mean(x_f32^2) + eps)).to(x.dtype)``
+    (`jetrl.kernels.torch_rmsnorm`, the fused kernel's reference)."""
+    from jetrl.kernels import torch_rmsnorm
+
+    return torch_rmsnorm(x, weight, eps)[0]
 
 
 def _summed(x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
