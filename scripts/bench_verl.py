@@ -2,8 +2,11 @@
 ChatML Qwen3 after jetrl's warm-up, GRPO on the arithmetic task as verl parquet, actor and rollout colocated:
 FSDP2 world size 1, vLLM TP 1), same seed for every recipe, each in its own process.
 
-    python scripts/bench_verl.py --out scripts/results/verl-nvidia-h200.json   # jetrl-unified, naive, bf16
+    python scripts/bench_verl.py --out scripts/results/verl-nvidia-h200.json   # every run below, in turn
     python scripts/bench_verl.py --recipes jetrl-unified --steps 2 --out /tmp/v.json -- trainer.test_freq=-1
+
+Runs: ``jetrl-unified``, ``jetrl-unified-hf-ops`` (the same with ``ENGINE_OPS=hf``: the rollout engine runs
+the actor's norms, RoPE and SiLU-and-mul), ``naive-fp8-rollout``, ``bf16``.
 
 Per step it keeps, from verl's file logger (``trainer.logger`` gains ``file``): the reward
 (``critic/score/mean``), jetrl's ``mismatch/*`` and ``sync/*`` (digest counts, ``sync/digests_equal``), verl's
@@ -35,7 +38,11 @@ from jetrl.verl.metrics import METRIC_KEYS
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE_SCRIPT = ROOT / "recipes" / "tiny-arith-verl.sh"
-RECIPES = ("jetrl-unified", "naive-fp8-rollout", "bf16")
+RECIPES = ("jetrl-unified", "jetrl-unified-hf-ops", "naive-fp8-rollout", "bf16")
+"""Runs by name; each is a jetrl recipe, `ENGINE_OPS` below says which engine model it rolls out with."""
+ENGINE_OPS = {"jetrl-unified-hf-ops": "hf"}
+"""Runs whose rollout engine runs the actor's ops between the Linears (``jetrl.engine_ops``,
+`jetrl.rollout.vllm_model`): ``jetrl-unified-hf-ops`` is jetrl-unified with ``ENGINE_OPS=hf``."""
 PHASES = {
     "rollout": "timing_s/gen",
     "old_logp": "timing_s/old_log_prob",
@@ -213,8 +220,10 @@ def recipe_command(args, recipe: str, jsonl: Path) -> tuple[list[str], dict[str,
         *(NAIVE_OVERRIDES if recipe == "naive-fp8-rollout" else ()),
         *args.overrides,
     ]
-    shown = {"RECIPE": recipe, "STEPS": str(args.steps), "SEED": str(args.seed)}
-    env = {**os.environ, **shown, "PYTHON": sys.executable, "VERL_FILE_LOGGER_PATH": str(jsonl)}
+    shown = {"RECIPE": recipe.removesuffix("-hf-ops"), "STEPS": str(args.steps), "SEED": str(args.seed)}
+    if recipe in ENGINE_OPS:
+        shown["ENGINE_OPS"] = ENGINE_OPS[recipe]
+    env = {**os.environ, "ENGINE_OPS": "vllm", **shown, "PYTHON": sys.executable, "VERL_FILE_LOGGER_PATH": str(jsonl)}
     return argv, env, " ".join(f"{k}={v}" for k, v in shown.items()) + " " + shlex.join(argv)
 
 
@@ -326,27 +335,28 @@ def merge(paths: list[Path]) -> dict:
 
 
 RATIOS = {
-    "naive-fp8-rollout": ("unified_over_naive_mean_dlogp", "naive"),
-    "bf16": ("unified_over_bf16_mean_dlogp", "bf16"),
+    ("jetrl-unified", "naive-fp8-rollout"): ("unified_over_naive_mean_dlogp", "unified / naive"),
+    ("jetrl-unified", "bf16"): ("unified_over_bf16_mean_dlogp", "unified / bf16"),
+    ("jetrl-unified-hf-ops", "naive-fp8-rollout"): ("unified_hf_ops_over_naive_mean_dlogp", "unified-hf-ops / naive"),
+    ("jetrl-unified-hf-ops", "bf16"): ("unified_hf_ops_over_bf16_mean_dlogp", "unified-hf-ops / bf16"),
 }
-"""Baseline -> (result key, printed name) of jetrl-unified's mean |dlogp| over the baseline's."""
+"""(run, baseline) -> (result key, printed name) of the run's mean |dlogp| over the baseline's."""
 
 
 def finish(result: dict, out: Path, note: str | None = None) -> None:
     runs = {r["recipe"]: r["summary"] for r in result["runs"]}
     key = "mismatch/logp_abs_diff_mean (mean over steps)"
-    unified = runs.get("jetrl-unified", {}).get(key)
     ratios = {}
-    for base, (name, shown) in RATIOS.items():
+    for (run, base), (name, shown) in RATIOS.items():
         result.pop(name, None)  # a merged file's ratio may be stale
-        if unified and runs.get(base, {}).get(key):
-            result[name] = ratios[shown] = unified / runs[base][key]
+        if runs.get(run, {}).get(key) and runs.get(base, {}).get(key):
+            result[name] = ratios[shown] = runs[run][key] / runs[base][key]
     if note:
         result["note"] = note
     out.write_text(json.dumps(result, indent=1))
     print(table(result))
     for shown, ratio in ratios.items():
-        print(f"unified / {shown} mean |dlogp|: {ratio:.3g}")
+        print(f"{shown} mean |dlogp|: {ratio:.3g}")
     print(f"wrote {out}")
 
 

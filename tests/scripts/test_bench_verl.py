@@ -117,6 +117,23 @@ def test_merge_keeps_each_run_s_provenance_and_later_files_win(bench, tmp_path, 
     assert "unified / naive mean |dlogp|: 0.1" in printed and "unified / bf16 mean |dlogp|: 1.25" in printed
     assert bench.main(["--out", str(out), "--merge", str(a)]) == 1  # a failed run keeps the exit code at 1
     assert "FAILED: exit code 1" in capsys.readouterr().out
+    c = tmp_path / "c.json"
+    c.write_text(json.dumps(_result([_run("jetrl-unified-hf-ops", 2e-3)], "ccc")))
+    assert bench.main(["--out", str(out), "--merge", str(b), str(a), str(c)]) == 1  # a's unified run failed
+    m = json.loads(out.read_text())
+    assert [r["recipe"] for r in m["runs"]] == ["jetrl-unified", "jetrl-unified-hf-ops", "naive-fp8-rollout", "bf16"]
+    assert m["unified_hf_ops_over_naive_mean_dlogp"] == pytest.approx(0.04)
+    assert m["unified_hf_ops_over_bf16_mean_dlogp"] == pytest.approx(0.5)
+    assert "unified-hf-ops / bf16 mean |dlogp|: 0.5" in capsys.readouterr().out
+
+
+def test_the_hf_ops_run_is_jetrl_unified_with_the_trainer_s_ops_in_the_engine(bench):
+    args = bench.parse_args(["--out", "x.json", "--recipes", "jetrl-unified-hf-ops"])
+    assert args.recipes == ["jetrl-unified-hf-ops"]
+    argv, env, shown = bench.recipe_command(args, "jetrl-unified-hf-ops", Path("l"))
+    assert (env["RECIPE"], env["ENGINE_OPS"]) == ("jetrl-unified", "hf") and "ENGINE_OPS=hf" in shown
+    _, env, shown = bench.recipe_command(args, "jetrl-unified", Path("l"))
+    assert (env["RECIPE"], env["ENGINE_OPS"]) == ("jetrl-unified", "vllm") and "ENGINE_OPS" not in shown
 
 
 @pytest.mark.parametrize(("argv", "match"), [(["--recipes", "fp4"], "fp4"), (["--steps", "0"], "--steps")])
