@@ -68,16 +68,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _export_info(model: str) -> tuple[Path, dict | None]:
+    """(path, content) of the export's ``jetrl.json`` (content None when there is none); a file that is not
+    a JSON object raises ValueError naming it."""
+    meta = Path(model) / "jetrl.json"
+    if not meta.is_file():
+        return meta, None
+    try:
+        info = json.loads(meta.read_text())
+    except ValueError:
+        info = None
+    if not isinstance(info, dict):
+        raise ValueError(f"{meta}: not a JSON object (what `jetrl export` writes)")
+    return meta, info
+
+
 def resolve_numerics(choice: str, model: str, rollout: str) -> str:
     """The trainer numerics of `--numerics` (see the module doc)."""
     if choice != "auto":
         return choice
-    meta = Path(model) / "jetrl.json"
-    if meta.is_file():
-        try:
-            return json.loads(meta.read_text())["numerics"]
-        except (ValueError, KeyError, TypeError):
-            raise ValueError(f"{meta}: no readable 'numerics' entry; pass --numerics hf|vllm-cpu") from None
+    meta, info = _export_info(model)
+    if info is not None:
+        if not isinstance(info.get("numerics"), str):
+            raise ValueError(f"{meta}: no readable 'numerics' entry; pass --numerics hf|vllm-cpu")
+        return info["numerics"]
     import torch
 
     return "vllm-cpu" if rollout == "jetrl-vllm" and not torch.cuda.is_available() else "hf"
@@ -87,8 +101,8 @@ def resolve_engine_ops(choice: str, model: str) -> str:
     """The engine ops of `--engine-ops` (auto: the export's ``jetrl.json``, else 'vllm')."""
     if choice != "auto":
         return choice
-    meta = Path(model) / "jetrl.json"
-    ops = json.loads(meta.read_text()).get("engine_ops", "vllm") if meta.is_file() else "vllm"
+    meta, info = _export_info(model)
+    ops = (info or {}).get("engine_ops", "vllm")
     if ops == "fused":
         raise ValueError(
             f"{meta}: the run's engine ran engine_ops 'fused'; the lint captures the trainer unfused, so pass "

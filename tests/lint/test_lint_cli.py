@@ -146,6 +146,9 @@ def test_resolve_engine_ops_reads_the_exports_jetrl_json(tmp_path, tiny_ckpt):
     (tmp_path / "jetrl.json").write_text(json.dumps({"numerics": "hf", "engine_ops": "fused"}))
     with pytest.raises(ValueError, match="pass --engine-ops hf"):
         resolve_engine_ops("auto", str(tmp_path))
+    (tmp_path / "jetrl.json").write_text("{oops")
+    with pytest.raises(ValueError, match=r"jetrl\.json: not a JSON object"):
+        resolve_engine_ops("auto", str(tmp_path))
 
 
 def test_a_corrupt_checkpoint_points_to_the_served_flag_that_exists(tiny_ckpt, tmp_path):
