@@ -73,7 +73,11 @@ ARCHITECTURES = {
 
 _PREFIX = "Jetrl"
 _ROTARY: dict[str, nn.Module] = {}
-"""Key -> transformers rotary module, read by ``jetrl::engine_rope`` (a module is not an op argument)."""
+"""Key -> transformers rotary module, read by ``jetrl::engine_rope`` (a module is not an op argument). The
+module is also a submodule of the vLLM model that installed it (``model.jetrl_rotary``), so that its
+``inv_freq`` buffer is one of the model's buffers: vLLM's level-2 sleep (verl's, between rollouts) discards
+the weights' memory and restores only the model's own buffers. The newest model of a key owns the entry
+(every model of one key computes the same cos/sin)."""
 
 
 def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -340,8 +344,7 @@ def install_trainer_ops(model: nn.Module, hf_config, ops: str, model_type: str) 
             hf_config.hidden_act, fused=fused, name=f"{name}.mlp.down_proj:input", handoff=handoff(down)
         )
         done += [f"{name}.self_attn.rotary_emb", f"{name}.mlp.act_fn"]
-    if rot_key not in _ROTARY:
-        _ROTARY[rot_key] = _hf_rotary(hf_config, model_type, device)
+    model.jetrl_rotary = _ROTARY[rot_key] = _hf_rotary(hf_config, model_type, device)
     model.norm = _ResidualNorm(model.norm, fused=False, name="model.norm")
     done.append("model.norm")
     return done
