@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from jetrl.lint.builders import LintEnvError, TrainingCapture, capture_jetrl_vllm, capture_training, probe_ids
 from jetrl.lint.check import check
@@ -124,6 +127,9 @@ def lint(
             raise ValueError("numeric=True needs a training capture made with keep_tensors=True")
         train = training
     r_trace = None
+    if torch.cuda.is_available():  # the capture's CUDA model is garbage now: give its memory back for the engine
+        gc.collect()
+        torch.cuda.empty_cache()
     if rollout == "stock-vllm":
         served = Path(served_path) if served_path is not None else model_path
         settings = stock if stock is not None else StockVllmSettings.from_environment(served)
@@ -186,6 +192,11 @@ def _start_engine(model_path: Path, recipe: Recipe, backend: str, max_model_len:
         raise LintEnvError(f"--rollout jetrl-vllm needs vLLM and jetrl.rollout.adapter: {e}") from e
     if "gpu_memory_utilization" not in kw and "kv_cache_memory_bytes" not in kw:
         kw = {**kw, "kv_cache_memory_bytes": LINT_KV_CACHE_BYTES}
+        if torch.cuda.is_available():
+            # vLLM refuses to start unless gpu_memory_utilization x total is free, even with a fixed KV cache:
+            # ask for what is free now (the training capture's model was released above)
+            free, total = torch.cuda.mem_get_info()
+            kw["gpu_memory_utilization"] = max(0.01, round(free / total - 0.02, 2))
     try:
         return create_engine(model_path, recipe, seed=0, max_model_len=max_model_len, backend=backend, **kw)
     except Exception as e:  # noqa: BLE001 - any engine start failure is an environment error for the CLI
