@@ -14,7 +14,9 @@ show), all over every response token and over the tokens up to each response's f
 The ``*_hf_ops`` / ``*_fused_ops`` modes (``--modes``; not in the default set) start the engine on
 `jetrl.rollout.vllm_model`'s trainer-matched model (``engine_ops``): vLLM with the trainer's own ops between
 the Linears (norms, residual adds, RoPE, SiLU-and-mul; ``fused``: through the trainer's fused producer
-kernels, and the trainer converted with them), leaving attention and lm_head as vLLM computes them.
+kernels, and the trainer converted with them), leaving attention and lm_head as vLLM computes them. The
+``*_strict`` modes (CUDA) add `jetrl.rollout.engine_strict`: the engine in vLLM's batch-invariant mode and
+the trainer attending through vLLM's FlashAttention forward and scoring with its sampler's log-prob kernel.
 
 Model: the tiny Qwen3 (`jetrl.tiny`, ``--model-overrides`` JSON to change its shape) after jetrl's
 supervised warm-up on the arithmetic task (`jetrl.train.warmup.supervised_warmup`, on the CPU as `jetrl train` runs it).
@@ -55,11 +57,22 @@ MODES = {
     "bf16_hf_ops": ("bf16", "jetrl"),
     "jetrl_fp8_hf_ops": ("jetrl-unified", "jetrl"),
     "jetrl_fp8_fused_ops": ("jetrl-unified", "jetrl"),
+    "bf16_strict": ("bf16", "jetrl"),
+    "jetrl_fp8_strict": ("jetrl-unified", "jetrl"),
 }
 """mode -> (recipe, rollout), as `jetrl.rollout.adapter.create_engine` takes them."""
-ENGINE_OPS = {"bf16_hf_ops": "hf", "jetrl_fp8_hf_ops": "hf", "jetrl_fp8_fused_ops": "fused"}
+ENGINE_OPS = {
+    "bf16_hf_ops": "hf",
+    "jetrl_fp8_hf_ops": "hf",
+    "jetrl_fp8_fused_ops": "fused",
+    "bf16_strict": "hf",
+    "jetrl_fp8_strict": "hf",
+}
 """Modes whose engine runs the trainer's ops between the Linears (`jetrl.rollout.vllm_model`; the others:
 vLLM's own model). ``fused``: the trainer runs its fused producers too (``model.fuse_producers``)."""
+STRICT = ("bf16_strict", "jetrl_fp8_strict")
+"""Modes with strict numerics (`jetrl.rollout.engine_strict`): the engine in vLLM's batch-invariant mode, the
+trainer with vLLM's FlashAttention forward and sampler log-probs (CUDA only)."""
 DEFAULT_MODES = ("bf16", "naive_fp8", "jetrl_fp8", "stock_fp8")
 STAT_KEYS = ("tokens", "mean_abs", "p99_abs", "max_abs", "is_ratio_mean", "is_ratio_max", "entropy_mean", "nll_mean")
 EXACT_KEYS = ("frac_equal", "frac_le_1e-6")
@@ -211,13 +224,15 @@ def ratios(modes: dict) -> dict:
     bf16_hf_ops's) and naive over each unified mode."""
     mean = {m: r["overall"]["mean_abs"] for m, r in modes.items() if r.get("overall")}
     out = {}
-    for m in ("naive_fp8", "jetrl_fp8", "stock_fp8", "jetrl_fp8_hf_ops", "jetrl_fp8_fused_ops"):
+    unified = ("jetrl_fp8", "jetrl_fp8_hf_ops", "jetrl_fp8_fused_ops", "jetrl_fp8_strict")
+    for m in ("naive_fp8", "stock_fp8", *unified):
         if m in mean and "bf16" in mean and mean["bf16"]:
             out[f"{m}_over_bf16"] = mean[m] / mean["bf16"]
-    for m in ("jetrl_fp8_hf_ops", "jetrl_fp8_fused_ops"):
-        if m in mean and mean.get("bf16_hf_ops"):
-            out[f"{m}_over_bf16_hf_ops"] = mean[m] / mean["bf16_hf_ops"]
-    for m in ("jetrl_fp8", "jetrl_fp8_hf_ops", "jetrl_fp8_fused_ops"):
+    for m, floor in (("jetrl_fp8_hf_ops", "bf16_hf_ops"), ("jetrl_fp8_fused_ops", "bf16_hf_ops"),
+                     ("jetrl_fp8_strict", "bf16_strict")):  # fmt: skip
+        if m in mean and mean.get(floor):
+            out[f"{m}_over_{floor}"] = mean[m] / mean[floor]
+    for m in unified:
         if "naive_fp8" in mean and mean.get(m):
             out[f"naive_fp8_over_{m}"] = mean["naive_fp8"] / mean[m]
     return out
@@ -350,7 +365,7 @@ def prompts(args) -> list[list[int]]:
     return [tok.encode(p.prompt, add_bos=True) for p in task.problems(Stream.EVAL, 0, args.prompts)]
 
 
-def _trainer(path: Path, recipe, backend: str, fuse: bool = False):
+def _trainer(path: Path, recipe, backend: str, fuse: bool = False, strict: bool = False):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -358,6 +373,10 @@ def _trainer(path: Path, recipe, backend: str, fuse: bool = False):
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device)
+    if strict:
+        from jetrl.rollout.engine_strict import match_vllm_strict
+
+        match_vllm_strict(model)
     if recipe.train_fp8:
         convert_model(model, recipe, backend=backend if device == "cuda" else "emulated", fuse=fuse)
     return model.eval()
@@ -376,6 +395,13 @@ def run_mode(args, mode: str, path: Path) -> dict:
     recipe_name, rollout = MODES[mode]
     recipe = Recipe.from_name(recipe_name)
     cuda = torch.cuda.is_available()
+    strict = mode in STRICT
+    if strict:
+        if not cuda:
+            raise RuntimeError(f"{mode}: strict numerics run vLLM's CUDA kernels; no GPU here")
+        from jetrl.rollout.adapter import enable_batch_invariance
+
+        enable_batch_invariance()  # before this process's first GEMM
     ps = prompts(args)
     kw: dict = {}
     if rollout == "stock":
@@ -397,10 +423,11 @@ def run_mode(args, mode: str, path: Path) -> dict:
         rollout=rollout,
         backend=backend,
         engine_ops=ENGINE_OPS.get(mode, "vllm"),
+        strict=strict,
         **kw,
     )
     try:
-        trainer = _trainer(path, recipe, args.backend, fuse=ENGINE_OPS.get(mode) == "fused")
+        trainer = _trainer(path, recipe, args.backend, fuse=ENGINE_OPS.get(mode) == "fused", strict=strict)
         sync = sync_weights(trainer, engine, recipe).to_dict()
         t0 = time.perf_counter()
         samples = engine.generate(
@@ -418,6 +445,7 @@ def run_mode(args, mode: str, path: Path) -> dict:
             "recipe": recipe_name,
             "rollout": rollout,
             "engine_ops": ENGINE_OPS.get(mode, "vllm"),
+            "strict": strict,
             "quantization": engine.quantization,
             "engine_start_s": engine.start_seconds,
             "cudagraph_capture_sizes": None if (args.enforce_eager or not cuda) else list(cc.cudagraph_capture_sizes),

@@ -16,7 +16,8 @@ quantizer differences are errors (`numeric-weights`, `numeric-quantizer`); drift
 
 The trainer side runs the *run's own* numerics between the Linears (`capture_training_numerics`:
 ``model.numerics`` 'vllm-cpu' matches RoPE, attention and residual+RMSNorm to vLLM's CPU kernels, as
-``jetrl train`` does on CPU; 'hf' is transformers' model as is), so the table describes what training
+``jetrl train`` does on CPU; 'strict' runs vLLM's FlashAttention forward in the trainer on CUDA
+(`jetrl.rollout.engine_strict`); 'hf' is transformers' model as is), so the table describes what training
 computes. The result's ``compared`` sentences say in words what each column compares and why drift
 does not make the verdict inconsistent; the report prints them above the table.
 """
@@ -53,18 +54,26 @@ def capture_training_numerics(model_path, recipe, *, numerics: str, probe: list[
         load_training_model,
     )
 
-    if numerics not in ("hf", "vllm-cpu"):
-        raise LintEnvError(f"numerics {numerics!r}: choose 'hf' or 'vllm-cpu'")
+    if numerics not in ("hf", "vllm-cpu", "strict"):
+        raise LintEnvError(f"numerics {numerics!r}: choose 'hf', 'vllm-cpu' or 'strict'")
     graph_cap = capture_training(model_path, recipe, probe=probe, backend=backend, keep_tensors=numerics == "hf")
     if numerics == "hf":
         graph_cap.trace.meta["numerics"] = numerics
         return graph_cap
-    if recipe.train_fp8 and get_backend(backend).device_type == "cuda":
-        raise LintEnvError("numerics 'vllm-cpu' matches vLLM's CPU kernels; with a CUDA GEMM backend use 'hf'")
-    from jetrl.rollout.engine_match import match_vllm_cpu
-
     model = load_training_model(model_path)
-    match_vllm_cpu(model)
+    if numerics == "strict":  # vLLM's CUDA kernels in the trainer (jetrl.rollout.engine_strict)
+        if not torch.cuda.is_available():
+            raise LintEnvError("numerics 'strict' runs vLLM's CUDA kernels in the trainer: it needs a GPU")
+        from jetrl.rollout.engine_strict import match_vllm_strict
+
+        model = model.cuda()
+        match_vllm_strict(model)
+    else:
+        if recipe.train_fp8 and get_backend(backend).device_type == "cuda":
+            raise LintEnvError("numerics 'vllm-cpu' matches vLLM's CPU kernels; with a CUDA GEMM backend use 'hf'")
+        from jetrl.rollout.engine_match import match_vllm_cpu
+
+        match_vllm_cpu(model)
     report = convert_model(model, recipe, backend=backend)
     matched = capture_converted(model, report, recipe, probe=probe, keep_tensors=True)
     matched.trace.meta["numerics"] = numerics
@@ -75,6 +84,8 @@ _NUMERICS_WORDS = {
     "hf": "transformers' own ops between the Linears (model.numerics 'hf')",
     "vllm-cpu": "RoPE, attention and residual+RMSNorm computed as vLLM's CPU kernels do (model.numerics 'vllm-cpu', "
     "what jetrl train runs on CPU)",
+    "strict": "transformers' ops with vLLM's FlashAttention forward, in vLLM's batch-invariant mode (model.numerics "
+    "'strict')",
 }
 
 

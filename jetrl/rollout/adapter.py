@@ -23,6 +23,7 @@ sampled token, what the trainer's forward computes.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import logging
@@ -53,6 +54,12 @@ __all__ = [
     "refresh_after_weight_update",
     "stock_vllm_settings",
     "stock_block_fp8_unavailable_reason",
+    "STRICT_ENV",
+    "STRICT_BLOCK_SIZE",
+    "strict_engine_settings",
+    "enable_batch_invariance",
+    "vllm_flash_attn_varlen",
+    "vllm_token_logprobs",
     "vllm_cpu_attention_isa",
 ]
 
@@ -71,6 +78,21 @@ STOCK_BLOCK_FP8_ENV = {
 """Env of stock vLLM's block-FP8 path computing jetrl's numerics on Hopper (NUMERICS.md section 2):
 DeepGEMM with fp32 (not UE8M0 power-of-two) scales, and no FlashInfer block-scale GEMM for M<32
 (it quantizes decode activations with its own formula)."""
+
+STRICT_ENV = {
+    "VLLM_BATCH_INVARIANT": "1",
+    "VLLM_USE_V2_MODEL_RUNNER": "1",
+    "CUBLAS_WORKSPACE_CONFIG": ":16:8",
+    "CUBLASLT_WORKSPACE_SIZE": "1",
+}
+"""Env of a strict engine (`jetrl.rollout.engine_strict`) and of its trainer's process: vLLM's
+batch-invariant mode (FlashAttention with one KV split, its Triton mean / softmax / log-softmax for
+``aten`` in the process, cuBLAS without split-K: on sm_90 vLLM 0.26 relies on these workspace limits
+for batch-invariant BF16 GEMMs, the lm_head's), and vLLM's V2 model runner, whose sampler computes the
+log-probs with the kernel the trainer calls (`vllm_token_logprobs`). The cuBLAS limits are read once per
+process, at the first GEMM: they must be set before it."""
+STRICT_BLOCK_SIZE = 16
+"""KV-cache block (page) size of a strict engine; the trainer's attention pages its K/V the same way."""
 
 
 @dataclass(frozen=True)
@@ -211,6 +233,45 @@ def vllm_cpu_attention_isa(head_dim: int, block_size: int) -> str:
     return _get_attn_isa(torch.bfloat16, block_size, head_dim)
 
 
+def strict_engine_settings() -> tuple[dict[str, Any], dict[str, str]]:
+    """``(vllm.LLM kwargs, env)`` of a strict engine: FlashAttention (version 3 on sm_90, chosen by vLLM),
+    `STRICT_BLOCK_SIZE` pages, `STRICT_ENV`."""
+    return {"attention_backend": "FLASH_ATTN", "block_size": STRICT_BLOCK_SIZE}, dict(STRICT_ENV)
+
+
+def enable_batch_invariance() -> None:
+    """vLLM's batch-invariant mode in this process (idempotent): `STRICT_ENV` in ``os.environ`` (call it
+    before the process's first GEMM: cuBLAS reads its limits then), vLLM's ``aten`` overrides (mean,
+    softmax, log-softmax, bmm) and backend flags, which an in-process engine's worker also installs."""
+    _apply_env(STRICT_ENV)
+    from vllm.model_executor.layers.batch_invariant import init_batch_invariance
+
+    init_batch_invariance()
+
+
+@functools.cache
+def vllm_flash_attn_varlen(head_size: int) -> Callable[..., torch.Tensor]:
+    """vLLM's FlashAttention varlen forward (``vllm.vllm_flash_attn.flash_attn_varlen_func``, the function its
+    FLASH_ATTN backend calls for prefill and decode alike) bound to the FlashAttention version that backend
+    picks on this device for `head_size` (vLLM's own rule: 3 on sm_90)."""
+    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+    from vllm.vllm_flash_attn import flash_attn_varlen_func
+
+    version = get_flash_attn_version(head_size=head_size)
+    if version is None:
+        raise RuntimeError(f"vllm_flash_attn_varlen: vLLM has no FlashAttention for head size {head_size} here")
+    return functools.partial(flash_attn_varlen_func, fa_version=version)
+
+
+def vllm_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Log-probs of ``token_ids`` [M, k] under ``softmax(logits)`` [M, V] -> [M, k] float32, by the
+    Triton kernel of vLLM's V2 sampler (``raw_logprobs``: max, sum of exponentials and log in fp32, one
+    program per row, so a row's value does not depend on the others)."""
+    from vllm.v1.worker.gpu.sample.logprob import compute_token_logprobs
+
+    return compute_token_logprobs(logits, token_ids)
+
+
 def _checkpoint_quant_config(model_path: str) -> dict | None:
     cfg = Path(model_path) / "config.json"
     if not cfg.is_file():
@@ -238,6 +299,7 @@ def create_engine(
     backend: str = "auto",
     in_process: bool = True,
     engine_ops: str = "vllm",
+    strict: bool = False,
     **kw,
 ) -> Engine:
     """Start a vLLM engine that rolls out with `recipe`'s rollout precision.
@@ -245,7 +307,9 @@ def create_engine(
     `rollout`: ``"jetrl"`` (jetrl's vLLM methods) or ``"stock"`` (`stock_vllm_settings`). `backend`:
     the `jetrl.gemm` backend of ``jetrl_fp8``. `in_process` sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
     (needed by `Engine.apply` and the weight sync). `engine_ops` ``"hf"`` / ``"fused"`` runs the trainer's
-    ops between the Linears inside vLLM (`jetrl.rollout.vllm_model`; ``"vllm"``: vLLM's own model). Extra
+    ops between the Linears inside vLLM (`jetrl.rollout.vllm_model`; ``"vllm"``: vLLM's own model).
+    `strict`: vLLM's batch-invariant mode with `strict_engine_settings` (`jetrl.rollout.engine_strict`; CUDA,
+    with ``engine_ops`` 'hf' or 'fused', so that every op is the trainer's or batch-invariant). Extra
     `kw` go to ``vllm.LLM`` (e.g. ``kv_cache_memory_bytes``, ``load_format="dummy"``,
     ``enable_sleep_mode=True``)."""
     if rollout not in ROLLOUT_MODES:
@@ -276,6 +340,14 @@ def create_engine(
         cfg = replace(base, recipe=r.name, backend=backend, keep_bf16=r.keep_bf16)
         args["quantization"] = cfg.method_name
         args["hf_overrides"] = {"quantization_config": cfg.to_hf_dict()}
+    if strict:
+        if engine_ops == "vllm":
+            raise ValueError("create_engine(strict=True) needs engine_ops 'hf' or 'fused' (the trainer's norms)")
+        if not torch.cuda.is_available():
+            raise ValueError("create_engine(strict=True): batch-invariant vLLM runs on CUDA only")
+        extra, strict_env = strict_engine_settings()
+        args.update(extra)
+        env.update(strict_env)
     if engine_ops != "vllm":
         from jetrl.rollout.vllm_model import engine_overrides
 

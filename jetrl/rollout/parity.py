@@ -12,15 +12,26 @@ import torch
 __all__ = ["trainer_logprobs", "trainer_scores", "token_mismatch", "logprob_mismatch"]
 
 
-def trainer_logprobs(model: torch.nn.Module, prompt_ids: list[int], response_ids: list[int]) -> torch.Tensor:
-    """fp32 log-probs the trainer `model` (an HF causal LM) gives each response token, teacher-forced."""
+def _scored(model: torch.nn.Module, prompt_ids: list[int], response_ids: list[int], entropy: bool):
+    """The response tokens' log-probs (and entropies) under `model`, teacher-forced, on its device: by the
+    model's ``_jetrl_token_logprobs`` where it has one (strict numerics: vLLM's sampler kernel), else the
+    fp32 log-softmax."""
     device = next(model.parameters()).device
     ids = torch.tensor([list(prompt_ids) + list(response_ids)], device=device)
-    with torch.no_grad():
-        logp = model(ids).logits.float().log_softmax(-1)[0]
+    tgt = torch.tensor(response_ids, device=device)
     p = len(prompt_ids)
-    tgt = torch.tensor(response_ids, device=device)[:, None]
-    return logp[p - 1 : -1].gather(-1, tgt)[:, 0].cpu()
+    with torch.no_grad():
+        logits = model(ids).logits[0, p - 1 : -1]
+        strict = getattr(model, "_jetrl_token_logprobs", None)
+        logp = logits.float().log_softmax(-1) if strict is None or entropy else None
+        lp = strict(logits, tgt) if strict is not None else logp.gather(-1, tgt[:, None])[:, 0]
+        ent = -(logp.exp() * logp).sum(-1) if entropy else None
+    return lp, ent
+
+
+def trainer_logprobs(model: torch.nn.Module, prompt_ids: list[int], response_ids: list[int]) -> torch.Tensor:
+    """fp32 log-probs the trainer `model` (an HF causal LM) gives each response token, teacher-forced."""
+    return _scored(model, prompt_ids, response_ids, entropy=False)[0].cpu()
 
 
 def trainer_scores(
@@ -29,14 +40,7 @@ def trainer_scores(
     """(log-probs, entropies), fp32 ``[len(response_ids)]`` each, on CPU: the trainer's log-prob of each
     response token (as `trainer_logprobs`) and the entropy in nats of its full next-token distribution
     at that position (how peaked the policy is where it sampled)."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([list(prompt_ids) + list(response_ids)], device=device)
-    with torch.no_grad():
-        p = len(prompt_ids)
-        logp = model(ids).logits[0, p - 1 : -1].float().log_softmax(-1)
-        tgt = torch.tensor(response_ids, device=device)[:, None]
-        lp = logp.gather(-1, tgt)[:, 0]
-        ent = -(logp.exp() * logp).sum(-1)
+    lp, ent = _scored(model, prompt_ids, response_ids, entropy=True)
     return lp.cpu(), ent.cpu()
 
 

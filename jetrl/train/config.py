@@ -102,17 +102,20 @@ class ModelConfig:
     dtype: str = "bfloat16"
     """Dtype of the trainer's compute weights and of the rollout engine ('bfloat16')."""
     attn_implementation: str = "sdpa"
-    """HF attention of the trainer ('sdpa' or 'eager'); replaced when ``numerics`` is 'vllm-cpu'."""
+    """HF attention of the trainer ('sdpa' or 'eager'); replaced when ``numerics`` is 'vllm-cpu' or 'strict'."""
     numerics: str = "hf"
-    """Trainer numerics between the Linears: 'hf' (transformers' model as is) or 'vllm-cpu' (RoPE,
-    attention and residual+RMSNorm computed as vLLM's CPU kernels do; see `jetrl.rollout.engine_match`)."""
+    """Trainer numerics between the Linears: 'hf' (transformers' model as is), 'vllm-cpu' (RoPE,
+    attention and residual+RMSNorm computed as vLLM's CPU kernels do; see `jetrl.rollout.engine_match`) or
+    'strict' (CUDA: transformers' model with vLLM's FlashAttention forward and sampler log-probs, the engine
+    in vLLM's batch-invariant mode with ``rollout.engine_ops`` 'hf' or 'fused', so that each log-prob is
+    the engine's bytes; see `jetrl.rollout.engine_strict`)."""
     fuse_producers: bool = False
     """Install the fused FP8 producers (`jetrl.convert.convert_model` with ``fuse=True``): each decoder
     layer's RMSNorms feeding FP8 Linears become RMSNorm+quantize kernels (q/k/v and gate/up then share
     one quantization and one saved fp8 copy) and its SiLU MLP quantizes down_proj's input in the SwiGLU
     kernel. Fewer launches and less activation memory: on an H200 a Llama-8B-shaped decoder layer
     trains faster with them than without (`scripts/bench_linear.py`; figures in the README and
-    scripts/results/linear-nvidia-h200.json). Needs an FP8-training recipe and ``numerics: hf``."""
+    scripts/results/linear-nvidia-h200.json). Needs an FP8-training recipe and ``numerics`` 'hf' or 'strict'."""
 
 
 @dataclass(frozen=True)
@@ -162,7 +165,7 @@ class RolloutConfig:
     engine_ops: str = "vllm"
     """The engine's ops between the Linears (`jetrl.rollout.vllm_model`): 'vllm' (vLLM's own model),
     'hf' (transformers' norms, residual adds, RoPE and SiLU-and-mul, as the trainer computes them with
-    ``model.numerics: hf``), 'fused' (as 'hf' through the trainer's fused producer kernels; needs
+    ``model.numerics`` 'hf' or 'strict'), 'fused' (as 'hf' through the trainer's fused producer kernels; needs
     ``model.fuse_producers: true``). Attention and lm_head stay vLLM's."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for `jetrl.rollout.adapter.create_engine`."""
@@ -430,15 +433,30 @@ def _check_values(cfg: TrainConfig) -> None:
         raise _fail("model.dtype", f"{cfg.model.dtype!r}: only 'bfloat16' is supported (the rollout engine's dtype)")
     if cfg.model.attn_implementation not in ("sdpa", "eager"):
         raise _fail("model.attn_implementation", f"{cfg.model.attn_implementation!r}: choose 'sdpa' or 'eager'")
-    if cfg.model.numerics not in ("hf", "vllm-cpu"):
-        raise _fail("model.numerics", f"{cfg.model.numerics!r}: choose 'hf' or 'vllm-cpu'")
+    if cfg.model.numerics not in ("hf", "vllm-cpu", "strict"):
+        raise _fail("model.numerics", f"{cfg.model.numerics!r}: choose 'hf', 'vllm-cpu' or 'strict'")
+    if cfg.model.numerics == "strict":
+        if r.device != "cuda":
+            raise _fail("model.numerics", f"'strict' runs vLLM's CUDA kernels in the trainer; run.device={r.device!r}")
+        if cfg.rollout.engine_ops == "vllm":
+            raise _fail(
+                "model.numerics",
+                "'strict' needs the trainer's norms, RoPE and SiLU-and-mul in the engine: rollout.engine_ops "
+                f"'{'fused' if cfg.model.fuse_producers else 'hf'}' (this config: 'vllm')",
+            )
+        if cfg.rollout.temperature != 1.0:
+            raise _fail(
+                "model.numerics",
+                "'strict' compares the engine's raw log-probs (temperature 1); "
+                f"rollout.temperature={cfg.rollout.temperature}",
+            )
     if cfg.model.fuse_producers:
         if not Recipe.from_name(r.recipe).train_fp8:
             raise _fail(
                 "model.fuse_producers",
                 f"the fused producers quantize for FP8 Linears; run.recipe={r.recipe!r} trains in BF16",
             )
-        if cfg.model.numerics != "hf":
+        if cfg.model.numerics == "vllm-cpu":
             raise _fail(
                 "model.fuse_producers",
                 f"replaces the RMSNorms that model.numerics={cfg.model.numerics!r} matches to the rollout engine's "
@@ -447,7 +465,7 @@ def _check_values(cfg: TrainConfig) -> None:
     ops = cfg.rollout.engine_ops
     if ops not in ("vllm", "hf", "fused"):
         raise _fail("rollout.engine_ops", f"{ops!r}: choose 'vllm', 'hf' or 'fused'")
-    if ops != "vllm" and cfg.model.numerics != "hf":
+    if ops != "vllm" and cfg.model.numerics == "vllm-cpu":
         raise _fail(
             "rollout.engine_ops",
             f"{ops!r} runs the trainer's own ops inside the engine; model.numerics={cfg.model.numerics!r} "

@@ -138,11 +138,12 @@ def micro_batches(lengths: list[int], idx: list[int], *, max_seqs: int, max_toke
 def forward_logprobs(
     model: nn.Module, batch: TokenBatch, *, temperature: float = 1.0, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs ``[N, L-1]`` of the batch's targets (and entropies) under ``logits / T``."""
+    """Per-token log-probs ``[N, L-1]`` of the batch's targets (and entropies) under ``logits / T``; by the
+    model's ``_jetrl_token_logprobs`` where it has one (strict numerics: `jetrl.rollout.engine_strict`)."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits[:, :-1]
     if temperature != 1.0:
         logits = logits.float() / temperature
-    logp = token_logprobs(logits, batch.targets)
+    logp = getattr(model, "_jetrl_token_logprobs", token_logprobs)(logits, batch.targets)
     ent = entropy_from_logits(logits) if with_entropy else None
     return logp, ent
 

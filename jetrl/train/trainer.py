@@ -137,6 +137,10 @@ class Trainer:
         if cfg.model.path is not None:
             check_model_dir(cfg.model.path)  # ModelFileError naming the file; before its config.json is read
         self.recipe = check_environment(cfg)  # before any work: raises ConfigError naming the field
+        if cfg.model.numerics == "strict":  # before the first GEMM (cuBLAS reads its limits then)
+            from jetrl.rollout.adapter import enable_batch_invariance
+
+            enable_batch_invariance()
         check_loggers(cfg)
         self.current_step = 0
         """The step being run (0 during start-up); `last_checkpoint` the newest checkpoint's step."""
@@ -255,6 +259,7 @@ class Trainer:
             max_model_len=r.max_model_len,
             backend=cfg.run.gemm_backend,
             engine_ops=r.engine_ops,
+            strict=cfg.model.numerics == "strict",
             **{**({} if self.verbose else {"use_tqdm_on_load": False}), **r.engine_kwargs},
         )
         self.log(f"engine: {self.engine.quantization or 'bf16'} started in {self.engine.start_seconds:.1f}s")
@@ -391,6 +396,10 @@ class Trainer:
             from jetrl.rollout.engine_match import match_vllm_cpu
 
             self.numerics_path = match_vllm_cpu(model)
+        elif cfg.model.numerics == "strict":
+            from jetrl.rollout.engine_strict import match_vllm_strict
+
+            match_vllm_strict(model)
         return model.eval()
 
     # ------------------------------------------------------------------ rollout

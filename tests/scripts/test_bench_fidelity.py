@@ -124,6 +124,16 @@ def test_ratios_need_both_sides(bench):
     assert bench.ratios({"jetrl_fp8": modes["jetrl_fp8"]}) == {}
 
 
+def test_strict_modes_run_the_trainers_ops_and_compare_with_their_own_floor(bench):
+    assert set(bench.STRICT) <= set(bench.MODES) and all(bench.ENGINE_OPS[m] == "hf" for m in bench.STRICT)
+    vals = (("bf16_strict", 0.0), ("jetrl_fp8_strict", 2e-6), ("bf16", 1e-4), ("naive_fp8", 8e-4))
+    r = bench.ratios({m: {"overall": {"mean_abs": v}} for m, v in vals})
+    assert r["jetrl_fp8_strict_over_bf16"] == pytest.approx(0.02) and r[
+        "naive_fp8_over_jetrl_fp8_strict"
+    ] == pytest.approx(400)
+    assert "jetrl_fp8_strict_over_bf16_strict" not in r  # a zero floor gives no ratio
+
+
 # -- the JSON schema and the plot ----------------------------------------------------------------------
 
 

@@ -58,6 +58,17 @@ def test_defaults_and_presets():
         ({"task": {"ops": ["/"]}}, "task.ops"),
         ({"model": {"dtype": "float16"}}, "model.dtype"),
         ({"model": {"numerics": "vllm-gpu"}}, "model.numerics"),
+        ({"model": {"numerics": "strict"}, "rollout": {"engine_ops": "hf"}}, "model.numerics"),  # run.device cpu
+        ({"model": {"numerics": "strict"}, "run": {"device": "cuda"}}, "model.numerics"),  # engine_ops vllm
+        (
+            {
+                "model": {"numerics": "strict"},
+                "run": {"device": "cuda"},
+                "rollout": {"engine_ops": "hf", "temperature": 0.7},
+            },
+            "model.numerics",
+        ),
+        ({"model": {"numerics": "strict", "fuse_producers": True}, "run": {"device": "cuda"}}, "model.numerics"),
         ({"model": {"attn_implementation": "flash"}}, "model.attn_implementation"),
         ({"model": {"path": "/x", "tiny": {"num_hidden_layers": 2}}}, "model.tiny"),
         ({"lint": {"enabled": "yes"}}, "lint.enabled"),
@@ -67,6 +78,18 @@ def test_bad_config_names_field(raw, field):
     with pytest.raises(ConfigError) as ei:
         config_from_dict(raw)
     assert str(ei.value).startswith(field + ":"), str(ei.value)
+
+
+def test_strict_numerics_pairs_with_the_trainers_ops_in_the_engine():
+    cfg = config_from_dict(
+        {"model": {"numerics": "strict"}, "run": {"device": "cuda"}, "rollout": {"engine_ops": "hf"}}
+    )
+    assert (cfg.model.numerics, cfg.rollout.engine_ops) == ("strict", "hf")
+    fused = {"numerics": "strict", "fuse_producers": True}
+    cfg = config_from_dict({"model": fused, "run": {"device": "cuda"}, "rollout": {"engine_ops": "fused"}})
+    assert cfg.model.fuse_producers and cfg.rollout.engine_ops == "fused"
+    with pytest.raises(ConfigError, match="rollout.engine_ops 'fused' \\(this config: 'vllm'\\)"):
+        config_from_dict({"model": fused, "run": {"device": "cuda"}})
 
 
 def test_verl_algo_knobs():
