@@ -299,11 +299,10 @@ def install_trainer_ops(model: nn.Module, hf_config, ops: str, model_type: str) 
     fused = ops == "fused"
 
     def handoff(linear) -> str | None:
-        """The scale layout a fused producer writes for `linear`, when it is a ``jetrl_fp8`` Linear."""
-        from jetrl.rollout.vllm_plugin import JetFP8LinearMethod
-
-        qm = getattr(linear, "quant_method", None)
-        return qm.input_scale_layout if fused and isinstance(qm, JetFP8LinearMethod) else None
+        """The scale layout a fused producer writes for `linear`, when it is a ``jetrl_fp8`` Linear (its quant
+        method, `jetrl.rollout.vllm_plugin.JetFP8LinearMethod`, says ``input_scale_layout``; the plugin
+        imports this module, so it is asked, not imported)."""
+        return getattr(getattr(linear, "quant_method", None), "input_scale_layout", None) if fused else None
 
     layers = getattr(model, "layers", None)
     if layers is None or not hasattr(model, "norm"):
