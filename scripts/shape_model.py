@@ -55,9 +55,8 @@ def shape_config(shape: str, layers: int | None, *, chat: bool = False, **overri
     if shape == "qwen3-0.6b":
         fields = dict(QWEN3_0_6B)
     else:
-        fields = json.loads((MODELS_DIR / shape / "config.json").read_text())
-        fields.pop("architectures", None)
-        fields.pop("torch_dtype", None)
+        fields = json.loads((MODELS_DIR / shape / "config.json").read_text())  # its architectures kept: the
+        fields.pop("torch_dtype", None)  # config-only dry run's checkpoint names its model class as a real one does
     full = fields["num_hidden_layers"]
     n = (full if shape == "qwen3-0.6b" else DEFAULT_LAYERS) if layers is None else layers
     if n < 1:
