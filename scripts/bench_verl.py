@@ -5,8 +5,10 @@ FSDP2 world size 1, vLLM TP 1), same seed for every recipe, each in its own proc
     python scripts/bench_verl.py --out scripts/results/verl-nvidia-h200.json   # every run below, in turn
     python scripts/bench_verl.py --recipes jetrl-unified --steps 2 --out /tmp/v.json -- trainer.test_freq=-1
 
-Runs: ``jetrl-unified``, ``jetrl-unified-hf-ops`` (the same with ``ENGINE_OPS=hf``: the rollout engine runs
-the actor's norms, RoPE and SiLU-and-mul), ``naive-fp8-rollout``, ``bf16``.
+Runs: ``jetrl-unified`` (with ``ENGINE_OPS=vllm``: vLLM's own model, the recipe's default before
+``jetrl.engine_ops: auto``), ``jetrl-unified-hf-ops`` (``ENGINE_OPS=hf``, what ``auto`` picks for jetrl-unified:
+the rollout engine runs the actor's norms, RoPE and SiLU-and-mul), ``naive-fp8-rollout``, ``bf16`` (``auto``
+gives them vLLM's own model).
 
 Per step it keeps, from verl's file logger (``trainer.logger`` gains ``file``): the reward
 (``critic/score/mean``), jetrl's ``mismatch/*`` and ``sync/*`` (digest counts, ``sync/digests_equal``), verl's

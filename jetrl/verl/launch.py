@@ -134,12 +134,17 @@ def apply_recipe(cfg: DictConfig) -> dict[str, str]:
             f"actor_rollout_ref.rollout.quantization={rollout.quantization!r} contradicts jetrl.recipe={recipe.name}: "
             "verl's FP8 rollout re-quantizes weights at every sync (that baseline is jetrl.recipe=naive-fp8-rollout)"
         )
-    ops = cfg.jetrl.get("engine_ops") or "vllm"
-    if ops not in ("vllm", "hf"):
+    ops = cfg.jetrl.get("engine_ops") or "auto"
+    if ops not in ("auto", "vllm", "hf"):
         raise ConfigError(
-            f"jetrl.engine_ops={ops!r}: choose 'vllm' or 'hf' (verl's FSDP actor runs transformers' own norms, "
-            "so the engine has no fused producers to match)"
+            f"jetrl.engine_ops={ops!r}: choose 'auto', 'vllm' or 'hf' (verl's FSDP actor runs transformers' own "
+            "norms, so the engine has no fused producers to match)"
         )
+    if ops == "auto":
+        ops = _auto_engine_ops(cfg, recipe.name)
+        with open_dict(cfg.jetrl):
+            cfg.jetrl.engine_ops = ops
+        changed["jetrl.engine_ops"] = ops
     if recipe.name != "jetrl-unified":
         if ops != "vllm":
             raise ConfigError(
@@ -193,6 +198,27 @@ def apply_recipe(cfg: DictConfig) -> dict[str, str]:
             env[k] = v
         changed[f"ray_kwargs.ray_init.runtime_env.env_vars.{k}"] = v
     return changed
+
+
+def _auto_engine_ops(cfg: DictConfig, recipe: str) -> str:
+    """``jetrl.engine_ops: auto``: the actor's ops in the engine ('hf') for jetrl-unified, whose rollout is
+    jetrl's; 'vllm' for the baselines (verl's own vLLM server). A jetrl-unified model whose architecture
+    has no trainer-matched engine model is refused, naming the way out, rather than rolled out otherwise."""
+    if recipe != "jetrl-unified":
+        return "vllm"
+    from jetrl.rollout.vllm_model import ARCHITECTURES
+
+    cfg_file = Path(str(cfg.actor_rollout_ref.model.path)) / "config.json"
+    if not cfg_file.is_file():  # check_model_shapes refuses a jetrl-unified model without one
+        return "hf"
+    archs = json.loads(cfg_file.read_text()).get("architectures") or []
+    if not set(archs) & set(ARCHITECTURES):
+        raise ConfigError(
+            f"jetrl.engine_ops=auto: {cfg_file} names architectures {archs}; the rollout engine runs the actor's "
+            f"ops for {sorted(ARCHITECTURES)} only (jetrl.rollout.vllm_model); set jetrl.engine_ops=vllm to roll "
+            "out with vLLM's own ops (farther from the actor's log-probs: README, verl)"
+        )
+    return "hf"
 
 
 def check_model_shapes(cfg: DictConfig) -> dict[str, int]:
@@ -317,7 +343,7 @@ def lint_gate(cfg: DictConfig) -> int:
     path = str(cfg.actor_rollout_ref.model.path)
     if recipe.name == "jetrl-unified":  # a live engine with jetrl's method, as the rollout will run
         eager = bool(cfg.actor_rollout_ref.rollout.enforce_eager)  # eager or compiled + CUDA graphs, as verl's
-        ops = cfg.jetrl.get("engine_ops") or "vllm"
+        ops = cfg.jetrl.engine_ops  # resolved by apply_recipe
         report = lint(path, recipe, rollout="jetrl-vllm", engine_kwargs={"enforce_eager": eager, "engine_ops": ops})
     else:  # the baselines run stock vLLM: described from its settings, no engine is started
         from jetrl.lint.stock_vllm import StockVllmSettings

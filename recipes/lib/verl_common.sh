@@ -11,7 +11,8 @@
 # Environment (defaults in brackets; every one can be set on the command line, e.g. NGPUS=4 bash ...):
 #   MODEL_PATH [$MODEL_ID]  DATA_DIR [~/data/jetrl]  NGPUS [8]  NNODES [1]  ROLLOUT_TP [2]
 #   RESPONSE_LEN [recipe's]  PROMPT_LEN [recipe's]  RECIPE [jetrl-unified | naive-fp8-rollout | bf16]
-#   ENGINE_OPS [vllm; hf = the rollout engine runs the actor's norms, RoPE and SiLU (jetrl-unified only)]
+#   ENGINE_OPS [auto = hf for jetrl-unified, vllm for the baselines; hf = the rollout engine runs the actor's
+#              norms, RoPE and SiLU (jetrl-unified only); vllm = vLLM's own ops]
 #   DRY_RUN [0; 1 = compose + validate + print the verl config, exit without Ray or GPU]
 #   PYTHON [python]  LOGGER ['["console"]']  TOTAL_EPOCHS  TEST_FREQ [5]  SAVE_FREQ [-1]
 # Extra hydra overrides after the script name are forwarded last ("$@"), so they win.
@@ -41,7 +42,7 @@ ROLLOUT_TP=${ROLLOUT_TP:-2}
 RESPONSE_LEN=${RESPONSE_LEN:-8192}
 PROMPT_LEN=${PROMPT_LEN:-1024}
 RECIPE=${RECIPE:-jetrl-unified}
-ENGINE_OPS=${ENGINE_OPS:-vllm}
+ENGINE_OPS=${ENGINE_OPS:-auto}
 DRY_RUN=${DRY_RUN:-0}
 PYTHON=${PYTHON:-python}
 LOGGER=${LOGGER:-'["console"]'}

@@ -59,7 +59,14 @@ def test_defaults_and_presets():
         ({"model": {"dtype": "float16"}}, "model.dtype"),
         ({"model": {"numerics": "vllm-gpu"}}, "model.numerics"),
         ({"model": {"numerics": "strict"}, "rollout": {"engine_ops": "hf"}}, "model.numerics"),  # run.device cpu
-        ({"model": {"numerics": "strict"}, "run": {"device": "cuda"}}, "model.numerics"),  # engine_ops vllm
+        (
+            {"model": {"numerics": "strict"}, "run": {"device": "cuda"}, "rollout": {"engine_ops": "vllm"}},
+            "model.numerics",
+        ),
+        (
+            {"model": {"numerics": "strict"}, "run": {"device": "cuda", "recipe": "bf16"}},
+            "model.numerics",
+        ),  # auto: vllm
         (
             {
                 "model": {"numerics": "strict"},
@@ -68,7 +75,14 @@ def test_defaults_and_presets():
             },
             "model.numerics",
         ),
-        ({"model": {"numerics": "strict", "fuse_producers": True}, "run": {"device": "cuda"}}, "model.numerics"),
+        (
+            {
+                "model": {"numerics": "strict", "fuse_producers": True},
+                "run": {"device": "cuda"},
+                "rollout": {"engine_ops": "vllm"},
+            },
+            "model.numerics",
+        ),
         ({"model": {"attn_implementation": "flash"}}, "model.attn_implementation"),
         ({"model": {"path": "/x", "tiny": {"num_hidden_layers": 2}}}, "model.tiny"),
         ({"lint": {"enabled": "yes"}}, "lint.enabled"),
@@ -89,7 +103,25 @@ def test_strict_numerics_pairs_with_the_trainers_ops_in_the_engine():
     cfg = config_from_dict({"model": fused, "run": {"device": "cuda"}, "rollout": {"engine_ops": "fused"}})
     assert cfg.model.fuse_producers and cfg.rollout.engine_ops == "fused"
     with pytest.raises(ConfigError, match="rollout.engine_ops 'fused' \\(this config: 'vllm'\\)"):
-        config_from_dict({"model": fused, "run": {"device": "cuda"}})
+        config_from_dict({"model": fused, "run": {"device": "cuda"}, "rollout": {"engine_ops": "vllm"}})
+
+
+@pytest.mark.parametrize(
+    "raw, ops",
+    [
+        ({}, "vllm"),  # CPU
+        ({"run": {"device": "cuda"}}, "hf"),
+        ({"run": {"device": "cuda"}, "model": {"fuse_producers": True}}, "fused"),
+        ({"run": {"device": "cuda"}, "model": {"numerics": "strict"}}, "hf"),
+        ({"run": {"device": "cuda", "recipe": "bf16"}}, "vllm"),
+        ({"run": {"device": "cuda", "recipe": "naive-fp8-rollout"}}, "vllm"),
+        ({"run": {"device": "cuda"}, "rollout": {"engine_ops": "vllm"}}, "vllm"),
+    ],
+)
+def test_engine_ops_auto_runs_the_trainers_ops_for_unified_on_cuda(raw, ops):
+    cfg = config_from_dict(raw)
+    assert cfg.rollout.engine_ops == ops
+    assert config_from_dict(cfg.to_dict()) == cfg  # the saved config records the resolved value
 
 
 def test_verl_algo_knobs():

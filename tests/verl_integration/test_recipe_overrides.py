@@ -74,7 +74,7 @@ def test_forwarded_overrides_win():
     )
     cfg = compose(overrides)
     assert cfg.data.train_batch_size == 64 and cfg.trainer.n_gpus_per_node == 4
-    assert jetrl == {"jetrl.recipe": "bf16", "jetrl.engine_ops": "vllm", "jetrl.dry_run": "true"}
+    assert jetrl == {"jetrl.recipe": "bf16", "jetrl.engine_ops": "auto", "jetrl.dry_run": "true"}
     _, jetrl = verl_overrides(RECIPES[0], env={"ENGINE_OPS": "hf"})
     assert jetrl["jetrl.engine_ops"] == "hf" and jetrl["jetrl.recipe"] == "jetrl-unified"
 

@@ -63,10 +63,27 @@ def test_jetrl_unified_selects_jetrls_engine_and_rollout(ckpt):
     assert cfg.actor_rollout_ref.model.external_lib == "jetrl.verl.plugin"
     assert cfg.actor_rollout_ref.rollout.quantization is None
     assert changed["actor_rollout_ref.rollout.name"] == "jetrl_vllm"
-    assert cfg.jetrl.engine_ops == "vllm" and env.JETRL_ENGINE_OPS == "vllm"
-    cfg = compose(_base(ckpt) + ["jetrl.engine_ops=hf"])
+    # auto: the actor's ops in the engine (jetrl.rollout.vllm_model) for jetrl-unified
+    assert cfg.jetrl.engine_ops == "hf" and env.JETRL_ENGINE_OPS == "hf" and changed["jetrl.engine_ops"] == "hf"
+    cfg = compose(_base(ckpt) + ["jetrl.engine_ops=vllm"])
     validate(cfg)
-    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.JETRL_ENGINE_OPS == "hf"
+    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.JETRL_ENGINE_OPS == "vllm"
+
+
+def test_engine_ops_auto_refuses_an_architecture_without_a_matched_engine(ckpt, tmp_path):
+    import json
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(ckpt, other)
+    meta = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**meta, "architectures": ["MistralForCausalLM"]}))
+    args = [a for a in _base(ckpt) if not a.startswith("actor_rollout_ref.model.path=")]
+    with pytest.raises(ConfigError, match=r"jetrl\.engine_ops=auto: .*MistralForCausalLM.*set jetrl\.engine_ops=vllm"):
+        validate(compose(args + [f"actor_rollout_ref.model.path={other}"]))
+    cfg = compose(args + [f"actor_rollout_ref.model.path={other}", "jetrl.engine_ops=vllm"])
+    validate(cfg)
+    assert cfg.jetrl.engine_ops == "vllm"
 
 
 @pytest.mark.parametrize(
@@ -85,7 +102,7 @@ def test_engine_ops_are_validated_naming_the_key(ckpt, extra, named):
 def test_baselines_are_stock_verl(ckpt, recipe, quantization):
     cfg = compose(_base(ckpt) + [f"jetrl.recipe={recipe}"])
     validate(cfg)
-    assert cfg.actor_rollout_ref.rollout.name == "vllm"
+    assert cfg.actor_rollout_ref.rollout.name == "vllm" and cfg.jetrl.engine_ops == "vllm"  # auto: verl's own
     assert cfg.actor_rollout_ref.rollout.quantization == quantization
     assert "VERL_ENGINE_VENDOR" not in (cfg.ray_kwargs.ray_init.runtime_env.get("env_vars") or {})
     assert cfg.actor_rollout_ref.model.external_lib is None
@@ -271,7 +288,7 @@ def test_the_unified_lint_starts_its_engine_as_the_rollout_will_run(ckpt, monkey
         "path": str(ckpt),
         "recipe": "jetrl-unified",
         "rollout": "jetrl-vllm",
-        "engine_kwargs": {"enforce_eager": eager, "engine_ops": "vllm"},
+        "engine_kwargs": {"enforce_eager": eager, "engine_ops": "hf"},
     }
 
 
