@@ -90,7 +90,11 @@ def _config(args, recipe: str, model_path: str, out_dir: str) -> dict:
             "eval_prompts": 0,
             "progress": False,
         },
-        "model": {"path": model_path, "fuse_producers": args.fuse and Recipe.from_name(recipe).train_fp8},
+        "model": {
+            "path": model_path,
+            "fuse_producers": args.fuse and Recipe.from_name(recipe).train_fp8,
+            "numerics": args.numerics,
+        },
         "warmup": {"steps": 0},
         "rollout": {
             "prompts_per_step": args.prompts,
@@ -162,12 +166,15 @@ CONFIG_KEYS = (
     "micro_batch_tokens",
     "fuse",
     "engine_ops",
+    "numerics",
     "cuda_graphs",
     "train_cuda_graphs",
     "backend",
     "seed",
 )
 """The options a comparison holds fixed (recorded; `merge` refuses results that differ in them)."""
+ADDED_KEYS = {"engine_ops": "vllm", "numerics": "hf"}
+"""`CONFIG_KEYS` added after results were committed, with the value those older results ran with."""
 
 
 def parse_args(argv: list[str] | None):
@@ -200,6 +207,13 @@ def parse_args(argv: list[str] | None):
         default="vllm",
         help="the engine's ops between the Linears (rollout.engine_ops; 'fused' needs --fuse and runs the bf16 "
         "recipe, which has no fused producers, with 'hf')",
+    )
+    p.add_argument(
+        "--numerics",
+        choices=("hf", "strict"),
+        default="hf",
+        help="the trainer's numerics (model.numerics; 'strict': jetrl.rollout.engine_strict, CUDA, needs --engine-ops "
+        "hf or fused): time the strict step against a run without it",
     )
     p.add_argument("--cuda-graphs", action="store_true", help="let vLLM capture CUDA graphs (enforce_eager=False)")
     p.add_argument(
@@ -235,6 +249,8 @@ def parse_args(argv: list[str] | None):
     if args.engine_ops != "vllm" and args.fuse != (args.engine_ops == "fused"):
         p.error(f"--engine-ops {args.engine_ops} computes the norms as a trainer {'with' if args.fuse else 'without'} "
                 f"--fuse does not: use --engine-ops {'fused' if args.fuse else 'hf'}")  # fmt: skip
+    if args.numerics == "strict" and args.engine_ops == "vllm":
+        p.error("--numerics strict needs the trainer's ops in the engine: --engine-ops hf (or fused with --fuse)")
     args.prompts = args.prompts or (16 if args.tiny else 32)
     args.max_tokens = args.max_tokens or (16 if args.tiny else 512)
     args.micro_batch_size = args.micro_batch_size or (64 if args.tiny else 8)
@@ -292,11 +308,9 @@ def merge(paths: list[Path]) -> dict:
             if part.get(key) != out.get(key):
                 raise SystemExit(f"bench_e2e --merge: {path}: {key} {part.get(key)!r} != {out.get(key)!r}")
         for key in CONFIG_KEYS:
-            if part["config"].get(key) != out["config"].get(key):
-                raise SystemExit(
-                    f"bench_e2e --merge: {path}: config {key}={part['config'].get(key)!r}, "
-                    f"not {out['config'].get(key)!r} as in {paths[0]}"
-                )
+            mine, theirs = (c.get(key, ADDED_KEYS.get(key)) for c in (part["config"], out["config"]))
+            if mine != theirs:
+                raise SystemExit(f"bench_e2e --merge: {path}: config {key}={mine!r}, not {theirs!r} as in {paths[0]}")
         for recipe, run in part["runs"].items():
             if recipe in out["runs"]:
                 raise SystemExit(f"bench_e2e --merge: {path}: a second {recipe} run (keep one file per recipe)")

@@ -98,3 +98,32 @@ def test_engine_ops_follow_the_trainers_producers(bench, capsys):
     assert (unified["rollout"]["engine_ops"], unified["model"]["fuse_producers"]) == ("fused", True)
     assert (bf16["rollout"]["engine_ops"], bf16["model"]["fuse_producers"]) == ("hf", False)  # no bf16 producers
     assert bench.parse_args([]).engine_ops == "vllm" and "engine_ops" in bench.CONFIG_KEYS
+
+
+def test_strict_numerics_are_a_compared_option(bench, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--numerics", "strict"])
+    assert "--engine-ops hf" in capsys.readouterr().err
+    args = bench.parse_args(["--numerics", "strict", "--engine-ops", "hf"])
+    assert bench._config(args, "jetrl-unified", "/m", "/r")["model"]["numerics"] == "strict"
+    assert bench._config(bench.parse_args([]), "bf16", "/m", "/r")["model"]["numerics"] == "hf"
+    assert "numerics" in bench.CONFIG_KEYS
+
+
+def test_merge_reads_older_results_without_the_later_options(bench, tmp_path):
+    """The committed result predates engine_ops / numerics: it ran with their defaults, so it merges with a
+    new run of those defaults and is refused beside a strict one."""
+    import json
+    from pathlib import Path
+
+    old = json.loads((Path(bench.__file__).parent / "results" / "e2e-nvidia-h200.json").read_text())
+    assert not {"engine_ops", "numerics"} & set(old["config"])
+    bf16 = {**old, "runs": {"bf16": old["runs"]["bf16"]}}
+    unified = {**old, "runs": {"jetrl-unified": old["runs"]["jetrl-unified"]}}
+    a, b, c = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    a.write_text(json.dumps(bf16))
+    b.write_text(json.dumps({**unified, "config": {**old["config"], "engine_ops": "vllm", "numerics": "hf"}}))
+    c.write_text(json.dumps({**unified, "config": {**old["config"], "engine_ops": "hf", "numerics": "strict"}}))
+    assert set(bench.merge([a, b])["runs"]) == {"bf16", "jetrl-unified"}
+    with pytest.raises(SystemExit, match="config engine_ops='hf', not 'vllm'"):
+        bench.merge([a, c])
