@@ -197,6 +197,7 @@ def tiny_qwen3_config(chat: bool = False, **overrides):
     tok = CharTokenizer(chat)
     kw = {
         **TINY_DEFAULTS,
+        "architectures": ["Qwen3ForCausalLM"],  # what build_tiny_model builds (a saved checkpoint says so too)
         "vocab_size": tok.vocab_size,
         "pad_token_id": tok.pad_id,
         "bos_token_id": tok.bos_id,

@@ -124,5 +124,12 @@ def check_environment(cfg: TrainConfig) -> Recipe:
                 f"{field}: recipe {recipe.name!r} quantizes 128x128 weight blocks but {shapes} "
                 f"{'is' if len(bad) == 1 else 'are'} not a multiple of {BLOCK}"
             )
+    if cfg.rollout.engine_ops != "vllm":  # the trainer-matched engine exists for a few architectures only
+        from jetrl.rollout.vllm_model import engine_overrides
+
+        try:
+            engine_overrides(mcfg.get("architectures"), cfg.rollout.engine_ops)
+        except ValueError as e:
+            raise ConfigError(f"rollout.engine_ops: {e}") from None
     _task_fits(cfg, field, mcfg)
     return recipe

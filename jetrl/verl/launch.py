@@ -206,18 +206,15 @@ def _auto_engine_ops(cfg: DictConfig, recipe: str) -> str:
     has no trainer-matched engine model is refused, naming the way out, rather than rolled out otherwise."""
     if recipe != "jetrl-unified":
         return "vllm"
-    from jetrl.rollout.vllm_model import ARCHITECTURES
+    from jetrl.rollout.vllm_model import engine_overrides
 
     cfg_file = Path(str(cfg.actor_rollout_ref.model.path)) / "config.json"
     if not cfg_file.is_file():  # check_model_shapes refuses a jetrl-unified model without one
         return "hf"
-    archs = json.loads(cfg_file.read_text()).get("architectures") or []
-    if not set(archs) & set(ARCHITECTURES):
-        raise ConfigError(
-            f"jetrl.engine_ops=auto: {cfg_file} names architectures {archs}; the rollout engine runs the actor's "
-            f"ops for {sorted(ARCHITECTURES)} only (jetrl.rollout.vllm_model); set jetrl.engine_ops=vllm to roll "
-            "out with vLLM's own ops (farther from the actor's log-probs: README, verl)"
-        )
+    try:
+        engine_overrides(json.loads(cfg_file.read_text()).get("architectures"), "hf")
+    except ValueError as e:
+        raise ConfigError(f"jetrl.engine_ops=auto: {cfg_file}: {e}; set jetrl.engine_ops=vllm") from None
     return "hf"
 
 

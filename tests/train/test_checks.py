@@ -86,3 +86,17 @@ def test_cli_bad_config_exits_2_naming_field(tmp_path, capsys):
 def test_vllm_cpu_numerics_refused_on_cuda_device():
     with pytest.raises(ConfigError, match="^(run.device|model.numerics):"):
         _check({"run": {"device": "cuda"}, "model": {"numerics": "vllm-cpu"}})
+
+
+def test_trainer_matched_engine_needs_an_architecture_it_covers(tmp_path):
+    """rollout.engine_ops hf/fused (what auto picks for jetrl-unified on CUDA) exists for Qwen3 / Llama / Qwen2:
+    another architecture is refused before any work, naming the key and the way out."""
+    from jetrl.tiny import tiny_qwen3_config
+
+    assert _check({"rollout": {"engine_ops": "hf"}}).name == "jetrl-unified"  # the tiny Qwen3
+    cfg = tiny_qwen3_config().to_dict()
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "architectures": ["MistralForCausalLM"]}))
+    raw = {"model": {"path": str(tmp_path)}, "warmup": {"steps": 0}, "rollout": {"engine_ops": "hf"}}
+    with pytest.raises(ConfigError, match=r"^rollout.engine_ops: .*MistralForCausalLM.*use engine_ops='vllm'"):
+        _check(raw)
+    assert _check({**raw, "rollout": {"engine_ops": "vllm"}}).name == "jetrl-unified"
