@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from jetrl.cli import main as jetrl_main
 from jetrl.lint.cli import build_parser, main
@@ -207,3 +208,13 @@ def test_readme_lint_commands_use_real_flags_and_say_where_ckpt_comes_from():
     for ln in lines:
         assert set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", ln.split("#")[0])) <= known, ln
     assert re.search(r"`CKPT` is the trainer's BF16\s+HF checkpoint: `jetrl export RUN_DIR` writes one", readme)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_strict_numerics_capture_needs_a_gpu(tiny_ckpt, probe):
+    from jetrl.lint.builders import LintEnvError
+    from jetrl.lint.numeric import capture_training_numerics
+    from jetrl.recipe import Recipe
+
+    with pytest.raises(LintEnvError, match="numerics 'strict'.*needs a GPU"):
+        capture_training_numerics(tiny_ckpt, Recipe.from_name("jetrl-unified"), numerics="strict", probe=probe)

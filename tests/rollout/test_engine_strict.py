@@ -105,8 +105,11 @@ def test_strict_model_matches_sdpa_model_and_trains():
         b = ref(input_ids=ids, attention_mask=mask).logits.float()
     real = mask.bool()
     assert max_abs_diff(a[real], b[real]) < 0.1  # BF16 attention computed another way: close, not equal
-    assert model._jetrl_token_logprobs.keywords["kernel"] is es.torch_token_logprobs
+    calls = []
+    strict_fn = model._jetrl_token_logprobs
+    model._jetrl_token_logprobs = lambda lg, t: calls.append(t.shape) or strict_fn(lg, t)
     lp, _ = forward_logprobs(model, batch)
+    assert calls == [batch.targets.shape]  # the trainer's log-probs went through the strict function
     (lp * batch.mask).sum().backward()
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
