@@ -115,6 +115,30 @@ def test_strict_model_matches_sdpa_model_and_trains():
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (its sampler module)")
+@pytest.mark.parametrize("vocab,stride", [(78, 128), (151_936, 151_936), (128, 128)])
+def test_sampler_kernel_sees_rows_laid_out_like_the_engines_logits(monkeypatch, vocab, stride):
+    """The engine samples from a ``[:, :V]`` view of logits padded to 64 rows; the trainer's rows reach the
+    kernel the same distance apart (the kernel's sum order follows that stride's alignment), values unchanged."""
+    import vllm.v1.worker.gpu.sample.logprob as vllm_logprob
+
+    from jetrl.rollout.adapter import vllm_token_logprobs
+
+    seen = {}
+
+    def kernel(logits, token_ids):
+        seen["stride"], seen["logits"] = logits.stride(), logits.clone()
+        return torch.log_softmax(logits.float(), -1).gather(-1, token_ids)
+
+    monkeypatch.setattr(vllm_logprob, "compute_token_logprobs", kernel)
+    logits = torch.randn(5, vocab).to(torch.bfloat16)
+    targets = torch.randint(0, vocab, (5, 1))
+    out = vllm_token_logprobs(logits, targets)
+    assert seen["stride"] == (stride, 1)
+    assert torch.equal(seen["logits"], logits)
+    assert torch.equal(out, torch.log_softmax(logits.float(), -1).gather(-1, targets))
+
+
 def test_strict_attention_refuses_a_left_padded_mask():
     model = _strict_tiny()
     ids = torch.tensor([[1, 2, 3, 4], [0, 0, 5, 6]])
