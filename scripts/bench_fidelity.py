@@ -298,7 +298,7 @@ def plot(result: dict, path: Path) -> Path:
     for ax, what in zip(axes, ("mean", "max"), strict=True):
         ax.set_yscale("log")
         ax.set_xlabel("response token position")
-        ax.set_ylabel(f"{what} |logp_trainer - logp_rollout|")
+        ax.set_ylabel(f"{what} |logp_trainer - logp_rollout| (0 drawn at 1e-9)")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
     axes[1].legend(fontsize=8)
