@@ -13,7 +13,8 @@ response length for ``--steps`` steps (default 1), read back from verl's file lo
 
 Random weights score 0 on every prompt, so the step's advantages are 0: the step runs every FP8 GEMM, the lint,
 the weight sync and its digests, not learning. DAPO recipes run with ``algorithm.filter_groups.enable=False``
-(group filtering would drop every all-zero group and never fill a batch). ``--dry-run`` writes the config and
+(group filtering would drop every all-zero group and never fill a batch) and an overlong buffer of a quarter of
+the response length. ``--dry-run`` writes the config and
 tokenizer only (no weights) and runs the recipes with ``DRY_RUN=1``. Prints a table last.
 """
 
@@ -98,6 +99,8 @@ def shape_command(args, shape: str, model: Path, jsonl: Path) -> tuple[list[str]
         "TEST_FREQ": "-1",
         "LOGGER": '["console","file"]',
         "DRY_RUN": "1" if args.dry_run else "0",
+        # DAPO's overlong buffer (4096 by default) must lie inside the short response length
+        **({"OVERLONG_BUFFER": str(args.response_len // 4)} if dapo else {}),
     }
     argv = [
         "bash",

@@ -19,7 +19,8 @@ key a user sets is ``jetrl.recipe``; `apply_recipe` turns it into verl settings:
 GPU counts (``trainer.n_gpus_per_node`` x ``trainer.nnodes``) hold whole rollout replicas (TP x DP x PP) and
 whole FSDP / Ulysses groups, and, for the FP8 recipes, rollout TP x 128 divides every TP-split dimension
 (`jetrl.rollout.tp.tp_dims`: q and kv heads x head_dim, the intermediate size), so no rank's slice cuts a
-128x128 weight block. All of it runs before Ray starts. A dry run stops there and prints the config.
+128x128 weight block; and `check_reward`: DAPO's overlong buffer fits the response length. All of it runs
+before Ray starts. A dry run stops there and prints the config.
 Otherwise `lint_gate` runs ``jetrl lint`` for the recipe and refuses to start on a violation unless
 ``jetrl.proceed_on_lint_violation=true``; then verl's ``run_ppo`` starts Ray with
 `jetrl.verl.trainer.JetrlTaskRunner` (verl's V1 task runner adding jetrl's per-step metrics; so
@@ -47,6 +48,7 @@ __all__ = [
     "apply_recipe",
     "check_model_shapes",
     "check_parallelism",
+    "check_reward",
     "compose",
     "lint_gate",
     "main",
@@ -320,15 +322,38 @@ def check_parallelism(cfg: DictConfig) -> dict[str, int]:
     return dims
 
 
+def check_reward(cfg: DictConfig) -> None:
+    """DAPO's overlong penalty (verl's ``dapo`` reward manager, ``reward.reward_kwargs``): the soft buffer
+    sits inside the response length it penalises, and that length is the one the rollout generates
+    (``data.max_response_length``). verl asserts the first only when its reward workers start on Ray, and never
+    checks the second (a stale ``max_resp_len`` penalises the wrong tokens); `ConfigError` names the keys."""
+    kwargs = (cfg.get("reward") or {}).get("reward_kwargs") or {}
+    buf = kwargs.get("overlong_buffer_cfg") or {}
+    if not buf.get("enable"):
+        return
+    max_resp, length = kwargs.get("max_resp_len"), cfg.data.max_response_length
+    if max_resp != length:
+        raise ConfigError(
+            f"reward.reward_kwargs.max_resp_len={max_resp}: the overlong penalty must measure the response length the "
+            f"rollout generates, data.max_response_length={length}"
+        )
+    if not 0 < buf.get("len", 0) < length:
+        raise ConfigError(
+            f"reward.reward_kwargs.overlong_buffer_cfg.len={buf.get('len')}: the overlong buffer must lie inside "
+            f"data.max_response_length={length} (0 < len < {length}; the recipes' OVERLONG_BUFFER)"
+        )
+
+
 def validate(cfg: DictConfig) -> dict[str, str]:
-    """`apply_recipe`, verl's ``validate_config``, `check_model_shapes`, `check_parallelism`; returns what
-    `apply_recipe` set."""
+    """`apply_recipe`, verl's ``validate_config``, `check_model_shapes`, `check_parallelism`, `check_reward`;
+    returns what `apply_recipe` set."""
     from jetrl.verl.adapter import need_critic, need_reference_policy, validate_config
 
     changed = apply_recipe(cfg)
     validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
     check_model_shapes(cfg)
     check_parallelism(cfg)
+    check_reward(cfg)
     return changed
 
 

@@ -137,6 +137,29 @@ def test_verls_own_batch_checks_run(ckpt):
         validate(compose(_base(ckpt) + ["trainer.n_gpus_per_node=3"]))
 
 
+def _dapo(max_resp_len: int, buffer: int, response_len: int = 256) -> list[str]:
+    return [
+        f"data.max_response_length={response_len}",
+        f"+reward.reward_kwargs.max_resp_len={max_resp_len}",
+        "+reward.reward_kwargs.overlong_buffer_cfg.enable=True",
+        f"+reward.reward_kwargs.overlong_buffer_cfg.len={buffer}",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("max_resp_len", "buffer", "named"),
+    [
+        (256, 4096, r"overlong_buffer_cfg\.len=4096: .*data\.max_response_length=256"),
+        (256, 256, r"overlong_buffer_cfg\.len=256"),
+        (8192, 64, r"max_resp_len=8192: .*data\.max_response_length=256"),
+    ],
+)
+def test_dapos_overlong_buffer_must_fit_the_response_length(ckpt, max_resp_len, buffer, named):
+    with pytest.raises(ConfigError, match=named):
+        validate(compose(_base(ckpt) + _dapo(max_resp_len, buffer)))
+    validate(compose(_base(ckpt) + _dapo(256, 64)))
+
+
 def test_model_shapes_are_checked_against_128x128(ckpt, tmp_path):
     cfg = compose(_base(ckpt))
     dims = check_model_shapes(cfg)
