@@ -321,17 +321,22 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def merge(paths: list[Path]) -> dict:
-    """One result from several (each run keeps its own ``meta`` of where and from what commit it ran)."""
+META_KEYS = ("device", "versions", "date", "commit", "command")
+"""`benchmeta.meta`'s keys: a merged run keeps those of the file it came from under ``meta``."""
+
+
+def merge(paths: list[Path], key: str = "recipe", order=RECIPES) -> dict:
+    """One result from several (each run keeps its own ``meta`` of where and from what commit it ran); a later
+    file's run of the same `key` (a recipe, a shape) replaces an earlier one; runs are listed in `order`."""
     runs: dict[str, dict] = {}
     result: dict = {}
     for path in paths:
         part = json.loads(path.read_text())
         result = {**part, "runs": []}
         for r in part["runs"]:
-            meta = r.get("meta") or {k: part[k] for k in ("device", "versions", "date", "commit")}
-            runs[r["recipe"]] = {**r, "meta": meta}
-    result["runs"] = [runs[r] for r in RECIPES if r in runs]
+            meta = r.get("meta") or {k: part[k] for k in META_KEYS if k in part}
+            runs[r[key]] = {**r, "meta": meta}
+    result["runs"] = [runs[r] for r in order if r in runs]
     result["merged_from"] = [str(p) for p in paths]
     return result
 

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import benchmeta
-from bench_verl import LOG_TAIL, comma_list, record, run_child, run_each
+from bench_verl import LOG_TAIL, comma_list, merge, record, run_child, run_each
 from shape_model import DEFAULT_LAYERS, shape_config, tokenizer_for, write_shape_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -200,6 +200,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--commit", help="git commit of the tree (recorded; default: git rev-parse HEAD)")
     p.add_argument("--recipe-timeout", type=float, metavar="S", help="stop a shape's run after S s, keep its steps")
     p.add_argument("--dry-run", action="store_true", help="config + tokenizer only, the recipes with DRY_RUN=1")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="run nothing: combine the runs of these result files (later files win per shape) into --out, e.g. "
+        "shapes run in separate device calls",
+    )
+    p.add_argument("--note", help="recorded as the result's `note`: what did not run or ran differently, and why")
     p.add_argument("overrides", nargs="*", help="hydra overrides forwarded to every run (after --)")
     args = p.parse_args(argv)
     args.shapes = comma_list(p, args.shapes, SHAPE_RECIPES, "--shapes")
@@ -216,6 +225,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.merge:
+        result = merge(args.merge, key="shape", order=SHAPE_RECIPES)
+        return finish(result, args.out, args.note)
     logdir = args.out.parent / (args.out.stem + "-logs")
     logdir.mkdir(exist_ok=True)
     result = {
@@ -226,8 +238,18 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [],
     }
     run_each(args.shapes, lambda shape: run_shape(args, shape, logdir), result, args.out)
+    code = finish(result, args.out, args.note)
+    print(f"logs in {logdir}")
+    return code
+
+
+def finish(result: dict, out: Path, note: str | None) -> int:
+    """Write `result` (with `note`), print its table; the exit code: 1 when a run failed."""
+    if note:
+        result["note"] = note
+    out.write_text(json.dumps(result, indent=1))
     print(table(result))
-    print(f"wrote {args.out}\nlogs in {logdir}")
+    print(f"wrote {out}")
     return 1 if any("error" in r for r in result["runs"]) else 0
 
 

@@ -93,3 +93,32 @@ def test_verl_renders_a_row_of_each_shape_like_encode_chat(tmp_path, shape, buil
     assert builder in type(b).__name__
     messages = [{"role": "user", "content": "What is 3 + 4?"}]
     assert b.build_initial_tokens(messages) == CharTokenizer(chat=True, size=2048).encode_chat(messages)
+
+
+def _shape_result(shape: str, commit: str, error: str | None = None) -> dict:
+    summary = {
+        "steps": 0 if error else 1,
+        "median_time_s": {"step": None if error else 54.1},
+        "mismatch/logp_abs_diff_mean (mean over steps)": None if error else 0.13,
+        "syncs_digest_checked": 0 if error else 1,
+    }
+    run = {"shape": shape, "layers": 8, "layers_of_the_model": 32, "wall_s": 300.0, "summary": summary}
+    meta = {"device": "GPU", "versions": {}, "date": "d", "commit": commit, "command": f"bench --shapes {shape}"}
+    return {**meta, "what": "w", "runs": [run | ({"error": error} if error else {})]}
+
+
+def test_merge_orders_shapes_keeps_each_call_s_provenance_and_later_files_win(bench, tmp_path, capsys):
+    paths = []
+    for i, (shape, commit, error) in enumerate(
+        [("qwen3-8b-base", "a", "stopped by SIGTERM"), ("llama3.1-8b", "b", None), ("qwen3-8b-base", "c", None)]
+    ):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(_shape_result(shape, commit, error)))
+    out = tmp_path / "m.json"
+    assert bench.main(["--out", str(out), "--merge", *map(str, paths), "--note", "qwen2.5-7b: not run"]) == 0
+    m = json.loads(out.read_text())
+    assert [(r["shape"], r["meta"]["commit"]) for r in m["runs"]] == [("llama3.1-8b", "b"), ("qwen3-8b-base", "c")]
+    assert m["runs"][1]["meta"]["command"] == "bench --shapes qwen3-8b-base" and m["note"] == "qwen2.5-7b: not run"
+    assert "qwen3-8b-base" in capsys.readouterr().out
+    assert bench.main(["--out", str(out), "--merge", str(paths[2]), str(paths[0])]) == 1  # the failed run wins
+    assert "FAILED: stopped by SIGTERM" in capsys.readouterr().out
