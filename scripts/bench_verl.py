@@ -7,7 +7,9 @@ FSDP2 world size 1, vLLM TP 1), same seed for every recipe, each in its own proc
 
 Runs: ``jetrl-unified`` (with ``ENGINE_OPS=vllm``: vLLM's own model, the recipe's default before
 ``jetrl.engine_ops: auto``), ``jetrl-unified-hf-ops`` (``ENGINE_OPS=hf``, what ``auto`` picks for jetrl-unified:
-the rollout engine runs the actor's norms, RoPE and SiLU-and-mul), ``naive-fp8-rollout``, ``bf16`` (``auto``
+the rollout engine runs the actor's norms, RoPE and SiLU-and-mul), ``jetrl-unified-strict`` (``ENGINE_OPS=hf
+NUMERICS=strict``: the actor's attention and log-probs through vLLM's kernels, both sides batch-invariant;
+its ``mismatch/logp_equal_share`` is the share of bit-equal tokens), ``naive-fp8-rollout``, ``bf16`` (``auto``
 gives them vLLM's own model).
 
 Per step it keeps, from verl's file logger (``trainer.logger`` gains ``file``): the reward
@@ -40,11 +42,14 @@ from jetrl.verl.metrics import METRIC_KEYS
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE_SCRIPT = ROOT / "recipes" / "tiny-arith-verl.sh"
-RECIPES = ("jetrl-unified", "jetrl-unified-hf-ops", "naive-fp8-rollout", "bf16")
-"""Runs by name; each is a jetrl recipe, `ENGINE_OPS` below says which engine model it rolls out with."""
-ENGINE_OPS = {"jetrl-unified-hf-ops": "hf"}
+RECIPES = ("jetrl-unified", "jetrl-unified-hf-ops", "jetrl-unified-strict", "naive-fp8-rollout", "bf16")
+"""Runs by name; each is a jetrl recipe, `ENGINE_OPS` / `NUMERICS` below say which engine model it rolls out with
+and which numerics its actor runs."""
+ENGINE_OPS = {"jetrl-unified-hf-ops": "hf", "jetrl-unified-strict": "hf"}
 """Runs whose rollout engine runs the actor's ops between the Linears (``jetrl.engine_ops``,
 `jetrl.rollout.vllm_model`): ``jetrl-unified-hf-ops`` is jetrl-unified with ``ENGINE_OPS=hf``."""
+NUMERICS = {"jetrl-unified-strict": "strict"}
+"""Runs with ``jetrl.numerics=strict`` (`jetrl.verl.engine`); the others run 'hf'."""
 PHASES = {
     "rollout": "timing_s/gen",
     "old_logp": "timing_s/old_log_prob",
@@ -141,6 +146,11 @@ def summarize(steps: list[dict]) -> dict:
     for key in ("mismatch/logp_abs_diff_max", "mismatch/is_ratio_max"):
         v = col(key)
         out[key + " (max over steps)"] = max(v) if v else None
+    both = [s for s in train if "mismatch/logp_equal_share" in s and "mismatch/tokens" in s]
+    tokens = sum(s["mismatch/tokens"] for s in both)
+    out[EQUAL_KEY] = (
+        sum(s["mismatch/logp_equal_share"] * s["mismatch/tokens"] for s in both) / tokens if tokens else None
+    )
     eq = col("sync/digests_equal")
     out["syncs_digest_checked"] = len(eq)
     out["digests_equal_every_sync"] = bool(eq) and all(v == 1.0 for v in eq)
@@ -222,10 +232,20 @@ def recipe_command(args, recipe: str, jsonl: Path) -> tuple[list[str], dict[str,
         *(NAIVE_OVERRIDES if recipe == "naive-fp8-rollout" else ()),
         *args.overrides,
     ]
-    shown = {"RECIPE": recipe.removesuffix("-hf-ops"), "STEPS": str(args.steps), "SEED": str(args.seed)}
+    base = "jetrl-unified" if recipe.startswith("jetrl-unified") else recipe
+    shown = {"RECIPE": base, "STEPS": str(args.steps), "SEED": str(args.seed)}
     if recipe in ENGINE_OPS:
         shown["ENGINE_OPS"] = ENGINE_OPS[recipe]
-    env = {**os.environ, "ENGINE_OPS": "vllm", **shown, "PYTHON": sys.executable, "VERL_FILE_LOGGER_PATH": str(jsonl)}
+    if recipe in NUMERICS:
+        shown["NUMERICS"] = NUMERICS[recipe]
+    env = {
+        **os.environ,
+        "ENGINE_OPS": "vllm",
+        "NUMERICS": "hf",
+        **shown,
+        "PYTHON": sys.executable,
+        "VERL_FILE_LOGGER_PATH": str(jsonl),
+    }
     return argv, env, " ".join(f"{k}={v}" for k, v in shown.items()) + " " + shlex.join(argv)
 
 
@@ -299,9 +319,13 @@ def _fmt(v, spec=".3g") -> str:
     return "-" if v is None else format(v, spec)
 
 
+EQUAL_KEY = "mismatch/logp_equal_share (over all steps' tokens)"
+"""Absent from results written before the metric existed (the table shows '-')."""
+
+
 def table(result: dict) -> str:
     head = (
-        f"{'recipe':<19}{'steps':>6}{'reward 1st->last':>18}{'mean|dlogp|':>13}{'max|dlogp|':>12}"
+        f"{'recipe':<21}{'steps':>6}{'reward 1st->last':>18}{'mean|dlogp|':>13}{'max|dlogp|':>12}{'equal':>8}"
         f"{'IS max':>8}{'digests ok':>11}{'rollout/logp/update/sync s (median)':>38}"
     )
     lines = [head, "-" * len(head)]
@@ -312,9 +336,10 @@ def table(result: dict) -> str:
         ok = f"{s['syncs_digest_checked']}/{s['steps']}" if s["syncs_digest_checked"] else "n/a"
         reward = _fmt(s["reward_first"], ".3f") + "->" + _fmt(s["reward_last"], ".3f")
         lines.append(
-            f"{r['recipe']:<19}{s['steps']:>6}{reward:>18}"
+            f"{r['recipe']:<21}{s['steps']:>6}{reward:>18}"
             f"{_fmt(s['mismatch/logp_abs_diff_mean (mean over steps)']):>13}"
             f"{_fmt(s['mismatch/logp_abs_diff_max (max over steps)']):>12}"
+            f"{_fmt(s.get(EQUAL_KEY), '.3f'):>8}"
             f"{_fmt(s['mismatch/is_ratio_max (max over steps)']):>8}{ok:>11}{split:>38}"
             + (f"   FAILED: {r['error']}" if "error" in r else "")
         )

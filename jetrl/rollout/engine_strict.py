@@ -237,12 +237,15 @@ def strict_token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, kernel
 
 
 # ---------------------------------------------------------------------------------------------- the model
-def match_vllm_strict(model: nn.Module, *, reference: bool = False) -> None:
+def match_vllm_strict(model: nn.Module, *, reference: bool = False, check_dtype: bool = True) -> None:
     """Switch a loaded HF decoder (BF16) to strict numerics, in place (module docstring): attention through
     ``jetrl_vllm_fa``, and the model's ``_jetrl_token_logprobs`` (read by
-    `jetrl.train.policy.forward_logprobs`) set to `strict_token_logprobs`. `reference`: the torch
-    references of vLLM's kernels instead (`torch_paged_attention`, `torch_token_logprobs`: CPU tests of the
-    plumbing). Raises ValueError naming what does not fit: sliding-window attention, non-BF16 weights."""
+    `jetrl.train.policy.forward_logprobs` and `jetrl.verl.engine.JetrlFSDPEngine`) set to
+    `strict_token_logprobs`. `reference`: the torch references of vLLM's kernels instead
+    (`torch_paged_attention`, `torch_token_logprobs`: CPU tests of the plumbing). `check_dtype=False` for a
+    model whose fp32 masters are cast to BF16 at the forward by its caller (verl's FSDP mixed precision, which
+    `jetrl.verl.launch` checks). Raises ValueError naming what does not fit: sliding-window attention,
+    non-BF16 weights."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -250,7 +253,7 @@ def match_vllm_strict(model: nn.Module, *, reference: bool = False) -> None:
     if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", False):
         raise ValueError(f"model.numerics='strict': {type(model).__name__} uses sliding-window attention")
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    if dtypes != {torch.bfloat16}:
+    if check_dtype and dtypes != {torch.bfloat16}:
         raise ValueError(f"model.numerics='strict': the model's parameters are {sorted(map(str, dtypes))}, not BF16")
     attn = [m for m in model.modules() if hasattr(m, "scaling") and hasattr(m, "o_proj")]
     if not attn:

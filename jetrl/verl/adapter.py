@@ -32,6 +32,7 @@ import verl
 from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
 from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.trainer.ppo.v1 import PPOTrainer, get_trainer_cls
+from verl.utils import tensordict_utils as _tu
 from verl.utils.config import validate_config
 from verl.utils.fsdp_utils import fsdp_version
 from verl.utils.logging_utils import configure_verl_logging
@@ -56,6 +57,7 @@ __all__ = [
     "TaskRunnerV1",
     "TaskRunnerV1Class",
     "get_trainer_cls",
+    "micro_batch_setting",
     "configure_verl_logging",
     "tq",
     "fsdp_version",
@@ -106,3 +108,9 @@ def registered_engine(model_type: str, backend: str, device: str, vendor: str | 
     """The engine class verl has filed under exactly ``(device, vendor)`` (no fallback), or None."""
     key = (device, vendor) if vendor else device
     return EngineRegistry._engines.get(model_type, {}).get(backend, {}).get(key)
+
+
+def micro_batch_setting(micro_batch, key: str, default):
+    """A non-tensor setting verl's engine reads from a micro-batch TensorDict (``use_remove_padding``,
+    ``use_fused_kernels``, ...: ``verl/utils/tensordict_utils.py`` `get_non_tensor_data`)."""
+    return _tu.get_non_tensor_data(data=micro_batch, key=key, default=default)

@@ -33,6 +33,15 @@ What changes against `FSDPEngineWithLMHead`, and nothing else:
   falls on a 128-row block (then no block spans two ranks): a weight whose FSDP shard is not a multiple
   of 128 rows is refused, naming it (every rank refuses at the same tensor, so no collective is left open).
 
+Strict numerics (``JETRL_NUMERICS=strict``, set with ``jetrl.numerics=strict``; CUDA): the actor computes
+each token's log-prob as the strict vLLM engine does (`jetrl.rollout.engine_strict`, as ``jetrl train``'s
+``model.numerics: strict``): `jetrl.rollout.engine_strict.match_vllm_strict` after the conversion (attention
+through vLLM's FlashAttention forward on paged K/V, vLLM's batch-invariant mode in the process), and
+``prepare_model_outputs`` replaces verl's ``log_probs`` with the model's ``_jetrl_token_logprobs`` (vLLM's
+sampler kernel) of the same logits (`strict_log_probs`; verl's own are computed first and dropped: one extra
+log-softmax per forward). It needs verl's padded batch (``use_remove_padding=false``: right-padded rows, as the
+strict attention requires) and temperature 1; `jetrl.verl.launch` checks the configuration before Ray starts.
+
 The recipe comes from ``JETRL_RECIPE`` (set with the vendor by the entrypoint), the GEMM backend from
 ``JETRL_GEMM_BACKEND`` (default ``auto``). LoRA is refused (its adapter stream is not FP8-exported).
 jetrl's ``fp8_param`` storage (`jetrl.fp8_param`) is not used on this path: its fp32 masters live outside
@@ -54,8 +63,15 @@ from jetrl.convert import ConversionReport, convert_model
 from jetrl.gemm.quantize import quantize_128x128
 from jetrl.linear import invalidate_fp8_caches
 from jetrl.recipe import BLOCK, RECIPE_NAMES, Recipe
+from jetrl.rollout.adapter import STRICT_ENV
 from jetrl.rollout.sync import WeightSyncError, tensor_digest
-from jetrl.verl.adapter import EngineRegistry, FSDPEngineWithLMHead, fsdp_version, registered_engine
+from jetrl.verl.adapter import (
+    EngineRegistry,
+    FSDPEngineWithLMHead,
+    fsdp_version,
+    micro_batch_setting,
+    registered_engine,
+)
 
 __all__ = [
     "VENDOR",
@@ -63,10 +79,14 @@ __all__ = [
     "BACKEND_ENV",
     "EXPORT_ENV",
     "EXPORT_MODES",
+    "NUMERICS_ENV",
+    "NUMERICS",
     "DIGEST_SUFFIX",
     "SCALE_SUFFIX",
     "JetrlFSDPEngine",
     "recipe_from_env",
+    "numerics_from_env",
+    "strict_log_probs",
     "register_engine",
     "encode_digest",
     "fp8_export_stream",
@@ -81,6 +101,9 @@ BACKEND_ENV = "JETRL_GEMM_BACKEND"
 EXPORT_ENV = "JETRL_FP8_EXPORT"
 EXPORT_MODES = ("gather", "shard")
 """``JETRL_FP8_EXPORT``: quantize after gathering each full weight (default) or per FSDP shard (module docstring)."""
+NUMERICS_ENV = "JETRL_NUMERICS"
+NUMERICS = ("hf", "strict")
+"""``JETRL_NUMERICS`` (``jetrl.numerics``): the actor's numerics, transformers' ('hf', default) or 'strict'."""
 DIGEST_SUFFIX = ":jetrl_digest"
 """Suffix of the stream entries carrying the trainer-side digest of the entry before them."""
 SCALE_SUFFIX = "weight_scale_inv"
@@ -100,6 +123,44 @@ def recipe_from_env() -> Recipe:
     return Recipe.from_name(name)
 
 
+def numerics_from_env() -> str:
+    """``JETRL_NUMERICS`` ('hf' when unset). For 'strict' every variable of `STRICT_ENV` must hold its value in
+    this process from its start (cuBLAS reads its limits at the process's first GEMM), as the entrypoint's Ray
+    runtime env sets them; a RuntimeError names what differs."""
+    name = os.environ.get(NUMERICS_ENV) or "hf"
+    if name not in NUMERICS:
+        raise RuntimeError(f"{NUMERICS_ENV}={name!r}: choose one of {NUMERICS}")
+    if name == "strict":
+        wrong = {k: os.environ.get(k) for k, v in STRICT_ENV.items() if os.environ.get(k) != v}
+        if wrong:
+            raise RuntimeError(
+                f"{NUMERICS_ENV}=strict but this process has {wrong} (needs {STRICT_ENV} from its start); run "
+                "through `python -m jetrl.verl jetrl.numerics=strict`, which puts them in the Ray runtime env"
+            )
+    return name
+
+
+def strict_log_probs(token_logprobs, logits: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor):
+    """verl's nested ``log_probs`` of a padded forward (``use_remove_padding=false``), each token's computed by
+    `token_logprobs` (the strict model's ``_jetrl_token_logprobs``) on the logits row it was sampled from.
+
+    `logits` ``[B, S, V]`` (sequence ``i``'s rows first, right-padded), `labels` verl's ``input_ids_rmpad_rolled``
+    (every sequence's ids concatenated, rolled by one), `cu_seqlens` the jagged offsets. Sequence by sequence,
+    on the contiguous ``logits[i, :n_i]`` (no copy: its rows are as far apart as the engine's for a vocabulary
+    that is a multiple of 64); the kernel's rows do not depend on each other, so the split changes nothing."""
+    if logits.dtype != torch.bfloat16:
+        raise RuntimeError(
+            f"{NUMERICS_ENV}=strict: the actor's logits are {logits.dtype}, the strict engine samples from BF16 "
+            "logits (actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype must be bf16)"
+        )
+    offsets = cu_seqlens.tolist()
+    parts = [
+        token_logprobs(logits[i, : end - start], labels[start:end])
+        for i, (start, end) in enumerate(zip(offsets[:-1], offsets[1:], strict=True))
+    ]
+    return torch.nested.nested_tensor_from_jagged(torch.cat(parts), cu_seqlens)
+
+
 def encode_digest(digest: str, device: torch.device | str) -> torch.Tensor:
     """A digest string as a uint8 tensor (it travels in verl's tensor stream)."""
     return torch.tensor(list(digest.encode("ascii")), dtype=torch.uint8, device=device)
@@ -116,9 +177,14 @@ class JetrlFSDPEngine(FSDPEngineWithLMHead):
     jetrl_conversion: ConversionReport
     jetrl_last_export: dict
     """Stats of the last fully consumed ``get_per_tensor_param`` stream (bytes, seconds, counts)."""
+    jetrl_numerics: str
+    """'hf' or 'strict' (``JETRL_NUMERICS``)."""
 
     def _build_module(self):
-        self.jetrl_recipe = recipe_from_env()
+        numerics = numerics_from_env()
+        if numerics == "strict" and not torch.cuda.is_available():
+            raise RuntimeError(f"{NUMERICS_ENV}=strict runs vLLM's CUDA kernels in the actor; no CUDA device here")
+        self.jetrl_recipe, self.jetrl_numerics = recipe_from_env(), numerics
         self.jetrl_last_export = {}
         if self._is_lora:
             raise NotImplementedError(
@@ -127,7 +193,29 @@ class JetrlFSDPEngine(FSDPEngineWithLMHead):
         module = super()._build_module()
         backend = os.environ.get(BACKEND_ENV, "auto")
         self.jetrl_conversion = convert_model(module, self.jetrl_recipe, backend=backend)
+        if self.jetrl_numerics == "strict":
+            from jetrl.rollout.adapter import enable_batch_invariance
+            from jetrl.rollout.engine_strict import match_vllm_strict
+
+            enable_batch_invariance()
+            match_vllm_strict(module, check_dtype=False)  # FSDP casts the fp32 masters to param_dtype (bf16)
         return module
+
+    def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
+        token_logprobs = getattr(self.module, "_jetrl_token_logprobs", None)  # set by match_vllm_strict
+        if token_logprobs is not None:
+            for key, verl_default in (("use_remove_padding", True), ("use_fused_kernels", False)):
+                if micro_batch_setting(micro_batch, key, verl_default):
+                    raise RuntimeError(
+                        f"{NUMERICS_ENV}=strict: the micro-batch has {key}=True; strict log-probs need verl's "
+                        f"padded forward with its logits (actor_rollout_ref.model.{key}=false)"
+                    )
+        out = super().prepare_model_outputs(output, output_args, micro_batch, logits_processor_func)
+        if token_logprobs is None or out.get("log_probs") is None:
+            return out
+        labels, cu_seqlens = output_args["input_ids_rmpad_rolled"], micro_batch["input_ids"].offsets()
+        out["log_probs"] = strict_log_probs(token_logprobs, output.logits, labels, cu_seqlens)
+        return out
 
     def optimizer_step(self):
         grad_norm = super().optimizer_step()

@@ -57,7 +57,7 @@ __all__ = [
 
 CONFIG_DIR = Path(__file__).parent / "config"
 CONFIG_NAME = "jetrl_ppo_trainer"
-JETRL_KEYS = ("recipe", "engine_ops", "dry_run", "lint", "proceed_on_lint_violation")
+JETRL_KEYS = ("recipe", "engine_ops", "numerics", "dry_run", "lint", "proceed_on_lint_violation")
 PLUGIN_MODULE = "jetrl.verl.plugin"
 COLOCATED_TRAINER_MODES = ("sync", "colocate_async")
 """verl 0.9.1 V1 trainer modes whose weight sync is the colocated one jetrl's worker extension receives."""
@@ -147,6 +147,14 @@ def apply_recipe(cfg: DictConfig) -> dict[str, str]:
         with open_dict(cfg.jetrl):
             cfg.jetrl.engine_ops = ops
         changed["jetrl.engine_ops"] = ops
+    numerics = cfg.jetrl.get("numerics") or "hf"
+    if numerics not in ("hf", "strict"):
+        raise ConfigError(f"jetrl.numerics={numerics!r}: choose 'hf' or 'strict'")
+    if numerics == "strict" and (recipe.name != "jetrl-unified" or ops != "hf"):
+        raise ConfigError(
+            f"jetrl.numerics=strict needs jetrl.recipe=jetrl-unified with jetrl.engine_ops=hf (jetrl's rollout running "
+            f"the actor's norms, RoPE and SiLU-and-mul); this config: jetrl.recipe={recipe.name}, engine_ops={ops}"
+        )
     if recipe.name != "jetrl-unified":
         if ops != "vllm":
             raise ConfigError(
@@ -154,6 +162,7 @@ def apply_recipe(cfg: DictConfig) -> dict[str, str]:
                 "out with verl's own vLLM server"
             )
         return changed
+    from jetrl.verl.engine import NUMERICS_ENV
     from jetrl.verl.worker import ENGINE_OPS_ENV, ROLLOUT_NAME
 
     if cfg.trainer.v1.trainer_mode not in COLOCATED_TRAINER_MODES:
@@ -189,16 +198,96 @@ def apply_recipe(cfg: DictConfig) -> dict[str, str]:
         "JETRL_RECIPE": recipe.name,
         "VERL_USE_EXTERNAL_MODULES": ",".join(modules + [PLUGIN_MODULE] if PLUGIN_MODULE not in modules else modules),
         ENGINE_OPS_ENV: ops,
+        NUMERICS_ENV: numerics,
     }
+    required = set(wanted) - {"VERL_USE_EXTERNAL_MODULES"}
+    if numerics == "strict":
+        changed |= _apply_strict(cfg)
+        from jetrl.rollout.adapter import STRICT_ENV
+
+        wanted |= STRICT_ENV  # every worker, from its start: the actor's and the engine's processes alike
+        required |= set(STRICT_ENV)
     for key in ("JETRL_GEMM_BACKEND", "JETRL_FP8_EXPORT"):  # jetrl.verl.engine reads them in the workers
         if os.environ.get(key):
             wanted[key] = os.environ[key]
     for k, v in wanted.items():
-        if k in ("VERL_ENGINE_VENDOR", "JETRL_RECIPE", ENGINE_OPS_ENV) and env.get(k) not in (None, v):
-            raise ConfigError(f"ray_kwargs.ray_init.runtime_env.env_vars.{k}={env.get(k)!r}: jetrl-unified needs {v!r}")
+        if k in required and env.get(k) not in (None, v):
+            raise ConfigError(
+                f"ray_kwargs.ray_init.runtime_env.env_vars.{k}={env.get(k)!r}: jetrl-unified with "
+                f"jetrl.numerics={numerics} needs {v!r}"
+            )
         with open_dict(env):
             env[k] = v
         changed[f"ray_kwargs.ray_init.runtime_env.env_vars.{k}"] = v
+    return changed
+
+
+def _apply_strict(cfg: DictConfig) -> dict[str, str]:
+    """``jetrl.numerics=strict`` (`jetrl.verl.engine`): refuse what keeps the actor's log-probs apart from the
+    strict engine's, naming the key; set the engine's settings (`jetrl.rollout.adapter.strict_engine_settings`
+    as ``rollout.engine_kwargs.vllm``, raw log-probs). Returns what it set."""
+    from jetrl.rollout.adapter import strict_engine_settings
+
+    arr = cfg.actor_rollout_ref
+    rollout = arr.rollout
+    why = {
+        "actor_rollout_ref.model.use_remove_padding": (
+            arr.model.use_remove_padding,
+            False,
+            "the strict attention takes verl's right-padded batch; remove-padding packs the sequences",
+        ),
+        "actor_rollout_ref.model.use_fused_kernels": (
+            arr.model.use_fused_kernels,
+            False,
+            "verl's fused kernels compute the log-probs without the logits the strict kernel reads",
+        ),
+        "actor_rollout_ref.rollout.temperature": (
+            rollout.temperature,
+            1.0,
+            "the strict engine's raw log-probs equal the actor's at temperature 1 only",
+        ),
+        "actor_rollout_ref.rollout.dtype": (rollout.dtype, "bfloat16", "the strict kernels run on BF16"),
+    }
+    for role in ("actor", "ref"):
+        why[f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size"] = (
+            arr[role].get("ulysses_sequence_parallel_size", 1) or 1,
+            1,
+            "sequence parallelism splits a sequence's attention",
+        )
+        mp = arr[role].fsdp_config.get("mixed_precision") or {}
+        why[f"actor_rollout_ref.{role}.fsdp_config.mixed_precision.param_dtype"] = (
+            "bfloat16" if mp.get("param_dtype", "bf16") in ("bf16", "bfloat16") else mp.get("param_dtype"),
+            "bfloat16",
+            "the actor's forward must run in BF16, as the engine does",
+        )
+    for key, (value, needed, reason) in why.items():
+        if value != needed:
+            raise ConfigError(f"{key}={value!r}: jetrl.numerics=strict needs {needed!r} ({reason})")
+    changed: dict[str, str] = {}
+    if rollout.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
+        raise ConfigError(
+            f"actor_rollout_ref.rollout.logprobs_mode={rollout.logprobs_mode!r}: jetrl.numerics=strict compares the "
+            "engine's raw log-probs (raw_logprobs; at temperature 1 verl's default processed_logprobs is the same)"
+        )
+    rollout.logprobs_mode = "raw_logprobs"
+    changed["actor_rollout_ref.rollout.logprobs_mode"] = "raw_logprobs"
+    kwargs, _ = strict_engine_settings()
+    with open_dict(rollout):
+        if rollout.get("engine_kwargs") is None:
+            rollout.engine_kwargs = {}
+    with open_dict(rollout.engine_kwargs):
+        if rollout.engine_kwargs.get("vllm") is None:
+            rollout.engine_kwargs.vllm = {}
+    vllm_kwargs = rollout.engine_kwargs.vllm
+    for k, v in kwargs.items():
+        if vllm_kwargs.get(k) not in (None, v):
+            raise ConfigError(
+                f"actor_rollout_ref.rollout.engine_kwargs.vllm.{k}={vllm_kwargs.get(k)!r}: jetrl.numerics=strict runs "
+                f"the engine with {v!r} (the actor's attention pages its K/V the same way)"
+            )
+        with open_dict(vllm_kwargs):
+            vllm_kwargs[k] = v
+        changed[f"actor_rollout_ref.rollout.engine_kwargs.vllm.{k}"] = str(v)
     return changed
 
 

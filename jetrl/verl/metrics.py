@@ -8,6 +8,8 @@ verl logs ``training/rollout_probs_diff_{max,mean,std}``, which is |p_rollout - 
   logp_trainer is verl's recomputed ``old_log_probs`` and logp_rollout vLLM's ``rollout_log_probs``.
 - ``mismatch/is_ratio_mean`` / ``_max``: mean / max of the per-token importance ratio
   exp(logp_trainer - logp_rollout) (1 when on-policy; what TIS would clip).
+- ``mismatch/logp_equal_share``: share of those tokens whose two log-probs are the same number (1.0 is
+  bitwise on-policy: the goal of ``jetrl.numerics=strict``).
 - ``mismatch/tokens``: response tokens measured.
 
 And of each weight sync of the ``jetrl-unified`` recipe, from every rollout worker's report
@@ -43,6 +45,7 @@ METRIC_KEYS = (
     "mismatch/logp_abs_diff_max",
     "mismatch/is_ratio_mean",
     "mismatch/is_ratio_max",
+    "mismatch/logp_equal_share",
     "mismatch/tokens",
     "sync/bytes",
     "sync/seconds",
@@ -83,6 +86,7 @@ def mismatch_metrics(trainer_logp: torch.Tensor, rollout_logp: torch.Tensor, res
         "mismatch/logp_abs_diff_max": float(d.abs().max()),
         "mismatch/is_ratio_mean": float(ratio.mean()),
         "mismatch/is_ratio_max": float(ratio.max()),
+        "mismatch/logp_equal_share": float((d == 0).double().mean()),
         "mismatch/tokens": n,
     }
 

@@ -56,7 +56,14 @@ from jetrl.verl.adapter import (
     vLLMHttpServer,
     vLLMReplica,
 )
-from jetrl.verl.engine import BACKEND_ENV, DIGEST_SUFFIX, SCALE_SUFFIX, decode_digest, recipe_from_env
+from jetrl.verl.engine import (
+    BACKEND_ENV,
+    DIGEST_SUFFIX,
+    SCALE_SUFFIX,
+    decode_digest,
+    numerics_from_env,
+    recipe_from_env,
+)
 
 __all__ = [
     "ROLLOUT_NAME",
@@ -72,9 +79,9 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 ROLLOUT_NAME = "jetrl_vllm"
+"""``actor_rollout_ref.rollout.name`` of verl's vLLM rollout with jetrl's worker extension."""
 ENGINE_OPS_ENV = "JETRL_ENGINE_OPS"
 """``jetrl.engine_ops`` as the entrypoint hands it to the rollout servers (`jetrl.rollout.vllm_model`)."""
-"""``actor_rollout_ref.rollout.name`` of verl's vLLM rollout with jetrl's worker extension."""
 WORKER_EXTENSION = "jetrl.verl.worker.JetrlWorkerExtension"
 
 
@@ -198,6 +205,7 @@ class JetrlvLLMHttpServer(vLLMHttpServer):
         from jetrl.rollout.vllm_model import engine_overrides
 
         recipe = recipe_from_env()
+        numerics_from_env()  # strict: vLLM's batch-invariant settings must be in this server's environment
         cfg = RolloutQuantConfig(recipe=recipe.name, backend=os.environ.get(BACKEND_ENV, "auto"))
         ops = engine_overrides(self.model_config.hf_config.architectures, os.environ.get(ENGINE_OPS_ENV) or "vllm")
         return cfg.method_name, {"quantization_config": cfg.to_hf_dict(), **ops}

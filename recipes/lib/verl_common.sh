@@ -13,6 +13,9 @@
 #   RESPONSE_LEN [recipe's]  PROMPT_LEN [recipe's]  RECIPE [jetrl-unified | naive-fp8-rollout | bf16]
 #   ENGINE_OPS [auto = hf for jetrl-unified, vllm for the baselines; hf = the rollout engine runs the actor's
 #              norms, RoPE and SiLU (jetrl-unified only); vllm = vLLM's own ops]
+#   NUMERICS [hf | strict = the actor's attention and log-probs through vLLM's kernels, both sides batch-invariant
+#            (CUDA, jetrl-unified with ENGINE_OPS auto/hf; jetrl.numerics)]
+#   REMOVE_PADDING [True; False with NUMERICS=strict, which needs verl's padded batch]
 #   DRY_RUN [0; 1 = compose + validate + print the verl config, exit without Ray or GPU]
 #   PYTHON [python]  LOGGER ['["console"]']  TOTAL_EPOCHS  TEST_FREQ [5]  SAVE_FREQ [-1]
 # Extra hydra overrides after the script name are forwarded last ("$@"), so they win.
@@ -43,6 +46,8 @@ RESPONSE_LEN=${RESPONSE_LEN:-8192}
 PROMPT_LEN=${PROMPT_LEN:-1024}
 RECIPE=${RECIPE:-jetrl-unified}
 ENGINE_OPS=${ENGINE_OPS:-auto}
+NUMERICS=${NUMERICS:-hf}
+if [[ "$NUMERICS" == strict ]]; then REMOVE_PADDING=${REMOVE_PADDING:-False}; else REMOVE_PADDING=${REMOVE_PADDING:-True}; fi
 DRY_RUN=${DRY_RUN:-0}
 PYTHON=${PYTHON:-python}
 LOGGER=${LOGGER:-'["console"]'}
@@ -139,7 +144,7 @@ DATA=(
 
 MODEL=(
   actor_rollout_ref.model.path="$MODEL_PATH"
-  actor_rollout_ref.model.use_remove_padding=True
+  actor_rollout_ref.model.use_remove_padding="$REMOVE_PADDING"
   actor_rollout_ref.model.enable_gradient_checkpointing=True
 )
 
@@ -194,6 +199,7 @@ TRAINER=(
 JETRL=(
   jetrl.recipe="$RECIPE"
   jetrl.engine_ops="$ENGINE_OPS"
+  jetrl.numerics="$NUMERICS"
   jetrl.dry_run="$DRY_RUN_FLAG"
 )
 

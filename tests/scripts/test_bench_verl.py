@@ -23,6 +23,8 @@ def _step(step: int, score: float, dlogp: float, *, digests_equal: float | None 
         "mismatch/logp_abs_diff_mean": dlogp,
         "mismatch/logp_abs_diff_max": 10 * dlogp,
         "mismatch/is_ratio_max": 1.0 + dlogp,
+        "mismatch/logp_equal_share": 0.25 * step,
+        "mismatch/tokens": 100 * step,
         "timing_s/gen": 2.0 + step,
         "timing_s/old_log_prob": 1.0,
         "timing_s/update_actor": 3.0,
@@ -67,6 +69,7 @@ def test_file_logger_lines_become_step_records(bench, tmp_path):
     assert (s["steps"], s["reward_first"], s["reward_last"]) == (2, 0.5, 0.7)
     assert s["mismatch/logp_abs_diff_mean (mean over steps)"] == pytest.approx(1.5e-3)
     assert s["mismatch/logp_abs_diff_max (max over steps)"] == pytest.approx(2e-2)
+    assert s[bench.EQUAL_KEY] == pytest.approx((0.25 * 100 + 0.5 * 200) / 300)  # token-weighted over the steps
     assert s["median_time_s"]["rollout"] == 3.5
     assert s["digests_equal_every_sync"] and s["syncs_digest_checked"] == 2 and s["digests_compared_total"] == 120
     assert s["val_reward"] == [0.5]
@@ -134,6 +137,17 @@ def test_the_hf_ops_run_is_jetrl_unified_with_the_trainer_s_ops_in_the_engine(be
     assert (env["RECIPE"], env["ENGINE_OPS"]) == ("jetrl-unified", "hf") and "ENGINE_OPS=hf" in shown
     _, env, shown = bench.recipe_command(args, "jetrl-unified", Path("l"))
     assert (env["RECIPE"], env["ENGINE_OPS"]) == ("jetrl-unified", "vllm") and "ENGINE_OPS" not in shown
+    assert env["NUMERICS"] == "hf" and "NUMERICS" not in shown
+
+
+def test_the_strict_run_is_jetrl_unified_with_hf_ops_and_strict_numerics(bench, monkeypatch):
+    monkeypatch.setenv("NUMERICS", "strict")  # the caller's environment does not leak into the other runs
+    args = bench.parse_args(["--out", "x.json", "--recipes", "jetrl-unified-strict,bf16"])
+    _, env, shown = bench.recipe_command(args, "jetrl-unified-strict", Path("l"))
+    assert (env["RECIPE"], env["ENGINE_OPS"], env["NUMERICS"]) == ("jetrl-unified", "hf", "strict")
+    assert "NUMERICS=strict" in shown and "ENGINE_OPS=hf" in shown
+    _, env, _ = bench.recipe_command(args, "bf16", Path("l"))
+    assert (env["RECIPE"], env["NUMERICS"]) == ("bf16", "hf")
 
 
 @pytest.mark.parametrize(("argv", "match"), [(["--recipes", "fp4"], "fp4"), (["--steps", "0"], "--steps")])

@@ -13,7 +13,14 @@ verl = pytest.importorskip("verl", reason="needs verl (the verl test environment
 from jetrl.testing.recipes import compose_verl as compose  # noqa: E402
 from jetrl.testing.recipes import overrides_dict, recipe_argv, verl_recipes  # noqa: E402
 
-JETRL_KEYS = {"jetrl.recipe", "jetrl.engine_ops", "jetrl.dry_run", "jetrl.lint", "jetrl.proceed_on_lint_violation"}
+JETRL_KEYS = {
+    "jetrl.recipe",
+    "jetrl.engine_ops",
+    "jetrl.numerics",
+    "jetrl.dry_run",
+    "jetrl.lint",
+    "jetrl.proceed_on_lint_violation",
+}
 """The section `python -m jetrl.verl` adds to verl's config (interfaces.md)."""
 RECIPES = verl_recipes()
 
@@ -74,9 +81,40 @@ def test_forwarded_overrides_win():
     )
     cfg = compose(overrides)
     assert cfg.data.train_batch_size == 64 and cfg.trainer.n_gpus_per_node == 4
-    assert jetrl == {"jetrl.recipe": "bf16", "jetrl.engine_ops": "auto", "jetrl.dry_run": "true"}
+    assert jetrl == {
+        "jetrl.recipe": "bf16",
+        "jetrl.engine_ops": "auto",
+        "jetrl.numerics": "hf",
+        "jetrl.dry_run": "true",
+    }
     _, jetrl = verl_overrides(RECIPES[0], env={"ENGINE_OPS": "hf"})
     assert jetrl["jetrl.engine_ops"] == "hf" and jetrl["jetrl.recipe"] == "jetrl-unified"
+
+
+@pytest.mark.parametrize("script", [RECIPES[0], RECIPES[-1]], ids=[RECIPES[0].stem, RECIPES[-1].stem])
+def test_numerics_strict_takes_verl_s_padded_batch_and_validates(script):
+    """``NUMERICS=strict bash recipes/...``: jetrl.numerics=strict with remove-padding off by default, which the
+    entrypoint's checks accept for the model's shipped config (a GRPO and a DAPO recipe)."""
+    from jetrl.verl.launch import ConfigError, validate
+    from jetrl.verl.launch import compose as compose_jetrl
+
+    model = script.parent / "models" / script.stem.split("_", 1)[0]
+    env = {"NUMERICS": "strict", "MODEL_PATH": str(model), "NGPUS": "2", "ROLLOUT_TP": "1"}
+    overrides, jetrl = verl_overrides(script, env=env)
+    assert jetrl["jetrl.numerics"] == "strict"
+    cfg = compose_jetrl(overrides + [f"{k}={v}" for k, v in jetrl.items()])
+    assert cfg.actor_rollout_ref.model.use_remove_padding is False
+    validate(cfg)
+    assert cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.attention_backend == "FLASH_ATTN"
+    overrides, jetrl = verl_overrides(script, env={**env, "REMOVE_PADDING": "True"})
+    with pytest.raises(ConfigError, match="use_remove_padding=True"):
+        validate(compose_jetrl(overrides + [f"{k}={v}" for k, v in jetrl.items()]))
+    assert (
+        verl_overrides(script, env={"MODEL_PATH": str(model)})[0].count(
+            "actor_rollout_ref.model.use_remove_padding=True"
+        )
+        == 1
+    )
 
 
 def _dry_run(script: Path, cwd: Path, **env: str):

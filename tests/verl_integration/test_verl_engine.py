@@ -2,8 +2,6 @@
 per-tensor export stream against `jetrl.convert.export_fp8_weights` and against the forward's own bytes,
 and the cache invalidation of ``optimizer_step``."""
 
-import os
-
 import pytest
 import torch
 
@@ -11,9 +9,8 @@ verl = pytest.importorskip(
     "verl", reason="verl 0.9.1 is installed by `make venv` (third_party/verl-cpu-requirements.txt)"
 )
 
-import torch.distributed as dist  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
-from verl_engine_cases import build_engine, free_port  # noqa: E402
+from verl_engine_cases import engine_session  # noqa: E402
 
 from jetrl.convert import convert_model, export_fp8_weights  # noqa: E402
 from jetrl.linear import JetFP8Linear  # noqa: E402
@@ -34,22 +31,8 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(ckpt):
     """verl's FSDP2 engine initialisation on a world-size-1 gloo group, with jetrl's recipe from the env."""
-    env = {"JETRL_RECIPE": RECIPE, "JETRL_GEMM_BACKEND": BACKEND, "MASTER_ADDR": "127.0.0.1"}
-    env["MASTER_PORT"] = str(free_port())
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, rank=0, world_size=1)
-    try:
-        eng = build_engine(ckpt)
+    with engine_session(ckpt, RECIPE, BACKEND) as eng:
         yield eng
-    finally:
-        dist.destroy_process_group()
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _stream(eng) -> dict:

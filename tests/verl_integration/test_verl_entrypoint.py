@@ -98,6 +98,59 @@ def test_engine_ops_are_validated_naming_the_key(ckpt, extra, named):
         validate(compose(_base(ckpt) + extra))
 
 
+def test_strict_numerics_set_the_batch_invariant_engine_and_raw_log_probs(ckpt):
+    from jetrl.rollout.adapter import STRICT_ENV
+
+    cfg = compose(_base(ckpt) + ["jetrl.numerics=strict"])
+    changed = validate(cfg)
+    env = cfg.ray_kwargs.ray_init.runtime_env.env_vars
+    assert env.JETRL_NUMERICS == "strict" and {k: env[k] for k in STRICT_ENV} == STRICT_ENV  # every worker
+    rollout = cfg.actor_rollout_ref.rollout
+    assert dict(rollout.engine_kwargs.vllm) == {"attention_backend": "FLASH_ATTN", "block_size": 16}
+    assert rollout.logprobs_mode == "raw_logprobs"
+    assert changed["actor_rollout_ref.rollout.engine_kwargs.vllm.block_size"] == "16"
+    assert changed["ray_kwargs.ray_init.runtime_env.env_vars.VLLM_BATCH_INVARIANT"] == "1"
+    cfg = compose(_base(ckpt))
+    validate(cfg)
+    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.JETRL_NUMERICS == "hf"
+    assert "VLLM_BATCH_INVARIANT" not in cfg.ray_kwargs.ray_init.runtime_env.env_vars
+    assert cfg.actor_rollout_ref.rollout.logprobs_mode == "processed_logprobs"  # verl's default kept
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        (["jetrl.numerics=bitwise"], r"jetrl\.numerics='bitwise': choose 'hf' or 'strict'"),
+        (["jetrl.recipe=bf16"], r"jetrl\.numerics=strict needs jetrl\.recipe=jetrl-unified.*recipe=bf16"),
+        (["jetrl.engine_ops=vllm"], r"needs jetrl\.recipe=jetrl-unified with jetrl\.engine_ops=hf.*engine_ops=vllm"),
+        (["actor_rollout_ref.model.use_remove_padding=true"], r"model\.use_remove_padding=True: .*needs False"),
+        (["actor_rollout_ref.model.use_fused_kernels=true"], r"model\.use_fused_kernels=True"),
+        (["actor_rollout_ref.rollout.temperature=0.7"], r"rollout\.temperature=0\.7: .*needs 1\.0"),
+        (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"], r"actor\.ulysses_sequence_parallel_size=2"),
+        (
+            ["+actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=fp32"],
+            r"ref\.fsdp_config\.mixed_precision\.param_dtype='fp32': .*needs 'bfloat16'",
+        ),
+        (["actor_rollout_ref.rollout.logprobs_mode=raw_logits"], r"rollout\.logprobs_mode='raw_logits'"),
+        (
+            ["+actor_rollout_ref.rollout.engine_kwargs.vllm.attention_backend=TRITON_ATTN"],
+            r"engine_kwargs\.vllm\.attention_backend='TRITON_ATTN': .*'FLASH_ATTN'",
+        ),
+        (
+            ["+ray_kwargs.ray_init.runtime_env.env_vars.VLLM_BATCH_INVARIANT='0'"],
+            r"env_vars\.VLLM_BATCH_INVARIANT='0': jetrl-unified with jetrl\.numerics=strict needs '1'",
+        ),
+    ],
+)
+def test_strict_numerics_refuse_what_keeps_the_log_probs_apart_naming_the_key(ckpt, extra, named):
+    overrides = [o for o in _base(ckpt) if not o.startswith("actor_rollout_ref.model.use_remove_padding")]
+    if not any("use_remove_padding" in e for e in extra):
+        overrides.append("actor_rollout_ref.model.use_remove_padding=false")
+    strict = [] if extra[0].startswith("jetrl.numerics=") else ["jetrl.numerics=strict"]
+    with pytest.raises(ConfigError, match=named):
+        validate(compose(overrides + strict + extra))
+
+
 @pytest.mark.parametrize(("recipe", "quantization"), [("naive-fp8-rollout", "fp8"), ("bf16", None)])
 def test_baselines_are_stock_verl(ckpt, recipe, quantization):
     cfg = compose(_base(ckpt) + [f"jetrl.recipe={recipe}"])

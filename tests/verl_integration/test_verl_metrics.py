@@ -20,6 +20,8 @@ def test_mismatch_is_log_space_over_response_tokens_only():
     assert m["mismatch/logp_abs_diff_max"] == pytest.approx(0.5, abs=1e-12)
     assert m["mismatch/is_ratio_mean"] == pytest.approx(sum(math.exp(d) for d in diffs) / 3, abs=1e-12)
     assert m["mismatch/is_ratio_max"] == pytest.approx(math.exp(0.5), abs=1e-12)
+    assert m["mismatch/logp_equal_share"] == pytest.approx(1 / 3, abs=1e-12)  # the one -2.0 == -2.0
+    assert mismatch_metrics(trainer, trainer, mask)["mismatch/logp_equal_share"] == 1.0
     assert set(m) <= set(METRIC_KEYS)
 
 

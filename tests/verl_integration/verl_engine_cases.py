@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
+
+import torch
 
 
 def free_port() -> int:
@@ -32,3 +36,25 @@ def build_engine(ckpt):
     )
     eng.initialize()
     return eng
+
+
+@contextlib.contextmanager
+def engine_session(ckpt, recipe: str, backend: str, env: dict[str, str] | None = None):
+    """A world-size-1 process group (gloo on CPU) and `build_engine(ckpt)` with ``JETRL_RECIPE``,
+    ``JETRL_GEMM_BACKEND`` and `env` set while it lives; then the group is destroyed, the environment restored."""
+    import torch.distributed as dist
+
+    env = {"JETRL_RECIPE": recipe, "JETRL_GEMM_BACKEND": backend, "MASTER_ADDR": "127.0.0.1", **(env or {})}
+    env["MASTER_PORT"] = str(free_port())
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
+    try:
+        yield build_engine(ckpt)
+    finally:
+        dist.destroy_process_group()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
