@@ -6,6 +6,8 @@
 (``RUN_DIR/export/step_N/hf``, with a ``jetrl.json`` naming the run's recipe and numerics). ``--numeric``
 captures the trainer with the run's own numerics between the Linears (``--numerics auto``: the export's
 ``jetrl.json``; without one, 'vllm-cpu' when the engine runs on CPU, as ``jetrl train`` does there, else 'hf').
+'strict' (CUDA, ``--engine-ops hf``) puts this process in vLLM's batch-invariant mode before its first GEMM and
+starts the engine strict, as ``jetrl train`` with ``model.numerics: strict`` runs both sides.
 
 Exit status: 0 consistent (warnings allowed), 1 violations, 2 usage or environment errors.
 """
@@ -39,10 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--numeric", action="store_true", help="also compare both sides numerically on a probe")
     p.add_argument(
         "--numerics",
-        choices=("auto", "hf", "vllm-cpu"),
+        choices=("auto", "hf", "vllm-cpu", "strict"),
         default="auto",
         help="--numeric: the trainer's ops between the Linears (auto: the export's jetrl.json, else vllm-cpu on a "
-        "CPU engine, hf on GPU)",
+        "CPU engine, hf on GPU; strict: CUDA, both sides batch-invariant, with --engine-ops hf)",
     )
     p.add_argument(
         "--engine-ops",
@@ -90,7 +92,7 @@ def resolve_numerics(choice: str, model: str, rollout: str) -> str:
     meta, info = _export_info(model)
     if info is not None:
         if not isinstance(info.get("numerics"), str):
-            raise ValueError(f"{meta}: no readable 'numerics' entry; pass --numerics hf|vllm-cpu")
+            raise ValueError(f"{meta}: no readable 'numerics' entry; pass --numerics hf|vllm-cpu|strict")
         return info["numerics"]
     import torch
 
@@ -109,6 +111,21 @@ def resolve_engine_ops(choice: str, model: str) -> str:
             "--engine-ops hf (the same formulas through transformers' modules)"
         )
     return ops
+
+
+def check_strict(rollout: str, engine_ops: str) -> None:
+    """``--numerics strict`` needs jetrl's engine with the trainer's ops, on CUDA (ValueError naming the flag)."""
+    import torch
+
+    if rollout != "jetrl-vllm":
+        raise ValueError("--numerics strict compares with a live strict engine: use --rollout jetrl-vllm")
+    if engine_ops != "hf":
+        raise ValueError(
+            f"--numerics strict needs the trainer's norms, RoPE and SiLU-and-mul in the engine: --engine-ops hf "
+            f"(resolved: {engine_ops})"
+        )
+    if not torch.cuda.is_available():
+        raise ValueError("--numerics strict runs vLLM's CUDA kernels on both sides: it needs a GPU")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,9 +156,15 @@ def main(argv: list[str] | None = None) -> int:
         engine_ops = resolve_engine_ops(args.engine_ops, args.model) if args.rollout == "jetrl-vllm" else "vllm"
         if engine_ops != "vllm" and numerics == "vllm-cpu":
             raise ValueError(f"--engine-ops {engine_ops} runs the trainer's ops in the engine; use --numerics hf")
+        if numerics == "strict":
+            check_strict(args.rollout, engine_ops)
     except ValueError as e:
         print(f"jetrl lint: error: {e}", file=sys.stderr)
         return 2
+    if numerics == "strict":  # before this process's first GEMM: cuBLAS reads its limits then
+        from jetrl.rollout.adapter import enable_batch_invariance
+
+        enable_batch_invariance()
     try:
         stock = None
         if args.rollout == "stock-vllm":
@@ -156,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         # block): send it to stderr so stdout carries only the report (--json must stay parseable)
         with contextlib.redirect_stdout(sys.stderr):
             training = probe = None
-            if numerics == "vllm-cpu" and args.rollout == "jetrl-vllm":
+            if numerics in ("vllm-cpu", "strict") and args.rollout == "jetrl-vllm":
                 from jetrl.lint.builders import probe_ids
                 from jetrl.lint.numeric import capture_training_numerics
                 from jetrl.recipe import Recipe
@@ -174,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                 backend=args.backend,
                 served_path=args.served,
                 engine_kwargs=(
-                    {"kv_cache_dtype": args.kv_cache_dtype, "engine_ops": engine_ops}
+                    {"kv_cache_dtype": args.kv_cache_dtype, "engine_ops": engine_ops, "strict": numerics == "strict"}
                     if args.rollout == "jetrl-vllm"
                     else None
                 ),

@@ -218,3 +218,37 @@ def test_strict_numerics_capture_needs_a_gpu(tiny_ckpt, probe):
 
     with pytest.raises(LintEnvError, match="numerics 'strict'.*needs a GPU"):
         capture_training_numerics(tiny_ckpt, Recipe.from_name("jetrl-unified"), numerics="strict", probe=probe)
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--engine-ops", "vllm"], r"--numerics strict needs .*--engine-ops hf \(resolved: vllm\)"),
+        (["--rollout", "stock-vllm"], "--numerics strict compares with a live strict engine: use --rollout jetrl-vllm"),
+        *(
+            []
+            if torch.cuda.is_available()
+            else [(["--engine-ops", "hf"], "--numerics strict runs vLLM's CUDA kernels on both sides: it needs a GPU")]
+        ),
+    ],
+)
+def test_strict_numerics_are_refused_where_they_cannot_run(tiny_ckpt, capsys, flags, named):
+    import re
+
+    argv = ["--model", str(tiny_ckpt), "--recipe", "jetrl-unified", "--numeric", "--numerics", "strict", *flags]
+    assert main(argv) == 2
+    assert re.search(named, capsys.readouterr().err)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_a_strict_run_s_export_is_linted_strict_or_refused_never_as_hf(tiny_ckpt, tmp_path, capsys):
+    """--numerics auto reads the export's jetrl.json: a strict run's export must not be compared as 'hf'."""
+    import shutil
+
+    export = tmp_path / "hf"
+    shutil.copytree(tiny_ckpt, export)
+    (export / "jetrl.json").write_text(
+        json.dumps({"recipe": "jetrl-unified", "numerics": "strict", "engine_ops": "hf"})
+    )
+    assert main(["--model", str(export), "--recipe", "jetrl-unified", "--numeric"]) == 2
+    assert "--numerics strict runs vLLM's CUDA kernels on both sides: it needs a GPU" in capsys.readouterr().err
