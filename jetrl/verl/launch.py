@@ -13,6 +13,10 @@ key a user sets is ``jetrl.recipe``; `apply_recipe` turns it into verl settings:
   re-quantized by verl in vLLM at every sync): the off-policy baseline.
 - ``bf16``: stock verl, BF16 everywhere.
 
+``jetrl.numerics=strict`` (jetrl-unified with ``engine_ops`` hf) adds `jetrl.verl.engine`'s strict actor: vLLM's
+batch-invariant environment for every worker, the rollout's FLASH_ATTN with 16-token blocks and raw log-probs
+(`_apply_strict`, which first refuses, naming the key, what keeps the two sides' log-probs apart).
+
 `validate` runs verl's own ``validate_config`` (batch sizes divide, micro-batch settings), checks the
 ``jetrl:`` section, and, for FP8 training, that every projection of the model at
 ``actor_rollout_ref.model.path`` (its config.json) suits the 128x128 recipe; then `check_parallelism`: the
@@ -202,11 +206,10 @@ def apply_recipe(cfg: DictConfig) -> dict[str, str]:
     }
     required = set(wanted) - {"VERL_USE_EXTERNAL_MODULES"}
     if numerics == "strict":
-        changed |= _apply_strict(cfg)
-        from jetrl.rollout.adapter import STRICT_ENV
-
-        wanted |= STRICT_ENV  # every worker, from its start: the actor's and the engine's processes alike
-        required |= set(STRICT_ENV)
+        strict_changed, strict_env = _apply_strict(cfg)
+        changed |= strict_changed
+        wanted |= strict_env  # every worker, from its start: the actor's and the engine's processes alike
+        required |= set(strict_env)
     for key in ("JETRL_GEMM_BACKEND", "JETRL_FP8_EXPORT"):  # jetrl.verl.engine reads them in the workers
         if os.environ.get(key):
             wanted[key] = os.environ[key]
@@ -222,10 +225,11 @@ def apply_recipe(cfg: DictConfig) -> dict[str, str]:
     return changed
 
 
-def _apply_strict(cfg: DictConfig) -> dict[str, str]:
+def _apply_strict(cfg: DictConfig) -> tuple[dict[str, str], dict[str, str]]:
     """``jetrl.numerics=strict`` (`jetrl.verl.engine`): refuse what keeps the actor's log-probs apart from the
     strict engine's, naming the key; set the engine's settings (`jetrl.rollout.adapter.strict_engine_settings`
-    as ``rollout.engine_kwargs.vllm``, raw log-probs). Returns what it set."""
+    as ``rollout.engine_kwargs.vllm``, raw log-probs). Returns what it set and the strict environment, which
+    every worker needs."""
     from jetrl.rollout.adapter import strict_engine_settings
 
     arr = cfg.actor_rollout_ref
@@ -271,7 +275,7 @@ def _apply_strict(cfg: DictConfig) -> dict[str, str]:
         )
     rollout.logprobs_mode = "raw_logprobs"
     changed["actor_rollout_ref.rollout.logprobs_mode"] = "raw_logprobs"
-    kwargs, _ = strict_engine_settings()
+    kwargs, strict_env = strict_engine_settings()
     with open_dict(rollout):
         if rollout.get("engine_kwargs") is None:
             rollout.engine_kwargs = {}
@@ -288,7 +292,7 @@ def _apply_strict(cfg: DictConfig) -> dict[str, str]:
         with open_dict(vllm_kwargs):
             vllm_kwargs[k] = v
         changed[f"actor_rollout_ref.rollout.engine_kwargs.vllm.{k}"] = str(v)
-    return changed
+    return changed, strict_env
 
 
 def _auto_engine_ops(cfg: DictConfig, recipe: str) -> str:
