@@ -363,6 +363,7 @@ def merge(paths: list[Path], key: str = "recipe", order=RECIPES) -> dict:
             runs[r[key]] = {**r, "meta": meta}
     result["runs"] = [runs[r] for r in order if r in runs]
     result["merged_from"] = [str(p) for p in paths]
+    result["command"] = benchmeta.command()  # the merge's; each run's own is in its ``meta``
     return result
 
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["versions", "device_name", "commit", "meta"]
+__all__ = ["versions", "device_name", "commit", "command", "meta"]
 
 
 def versions(extra: tuple[str, ...] = ()) -> dict:
@@ -47,6 +47,11 @@ def commit(given: str | None = None) -> str:
         return "unknown (no git checkout; pass --commit)"
 
 
+def command() -> str:
+    """This process's command line as recorded (interpreter name and arguments)."""
+    return " ".join([Path(sys.executable).name, *sys.argv])
+
+
 def meta(given_commit: str | None = None, extra_versions: tuple[str, ...] = ()) -> dict:
     """``{"device", "versions", "date", "commit", "command"}`` of this run."""
     return {
@@ -54,5 +59,5 @@ def meta(given_commit: str | None = None, extra_versions: tuple[str, ...] = ()) 
         "versions": versions(extra_versions),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "commit": commit(given_commit),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": command(),
     }

@@ -107,7 +107,7 @@ def _shape_result(shape: str, commit: str, error: str | None = None) -> dict:
     return {**meta, "what": "w", "runs": [run | ({"error": error} if error else {})]}
 
 
-def test_merge_orders_shapes_keeps_each_call_s_provenance_and_later_files_win(bench, tmp_path, capsys):
+def test_merge_orders_shapes_keeps_each_call_s_provenance_and_later_files_win(bench, tmp_path, capsys, monkeypatch):
     paths = []
     for i, (shape, commit, error) in enumerate(
         [("qwen3-8b-base", "a", "stopped by SIGTERM"), ("llama3.1-8b", "b", None), ("qwen3-8b-base", "c", None)]
@@ -115,10 +115,13 @@ def test_merge_orders_shapes_keeps_each_call_s_provenance_and_later_files_win(be
         paths.append(tmp_path / f"{i}.json")
         paths[-1].write_text(json.dumps(_shape_result(shape, commit, error)))
     out = tmp_path / "m.json"
-    assert bench.main(["--out", str(out), "--merge", *map(str, paths), "--note", "qwen2.5-7b: not run"]) == 0
+    argv = ["--out", str(out), "--merge", *map(str, paths), "--note", "qwen2.5-7b: not run"]
+    monkeypatch.setattr("sys.argv", ["bench_verl_shapes.py", *argv])  # what benchmeta records, as from a shell
+    assert bench.main(argv) == 0
     m = json.loads(out.read_text())
     assert [(r["shape"], r["meta"]["commit"]) for r in m["runs"]] == [("llama3.1-8b", "b"), ("qwen3-8b-base", "c")]
     assert m["runs"][1]["meta"]["command"] == "bench --shapes qwen3-8b-base" and m["note"] == "qwen2.5-7b: not run"
+    assert "--merge" in m["command"] and m["merged_from"] == [str(p) for p in paths]  # the merge's own command
     assert "qwen3-8b-base" in capsys.readouterr().out
     assert bench.main(["--out", str(out), "--merge", str(paths[2]), str(paths[0])]) == 1  # the failed run wins
     assert "FAILED: stopped by SIGTERM" in capsys.readouterr().out
