@@ -24,16 +24,18 @@ and copy of a real step is executed.
     python scripts/bench_e2e.py [--tiny | --shape llama3.1-8b --layers 8] [--prompts 32 --samples 8
                                 --max-tokens 512] [--steps 3] [--micro-batch-tokens N] [--fuse] [--cuda-graphs]
                                 [--train-cuda-graphs] [--recipes jetrl-unified,bf16] [--commit SHA]
-                                [--out DIR]
+                                [--engine-ops hf --numerics hf,strict] [--out DIR]
     python scripts/bench_e2e.py --merge A.json B.json [--out DIR] [--note TEXT]
 
 The step is split into rollout / old log-probs (the no-grad pass over the batch, ref included) / update /
-sync (the trainer's ``time/*`` of each step).
+sync (the trainer's ``time/*`` of each step). ``--numerics hf,strict`` times each recipe with the default
+and with the strict numerics (``model.numerics=strict``, runs keyed ``<recipe>+strict``, written to
+``e2e-[...-]strict-<device>.json``) and reports the strict / hf ratio of each phase.
 
 Writes ``e2e-<device>.json`` (device name, torch/triton/vllm versions, date, the config, every step's
-times and the medians) to ``--out`` (default scripts/results/) and prints a table; each recipe's output goes
-to ``<out>/e2e-logs/<recipe>.log`` while it runs (a line per step), its result to ``<recipe>.json`` there,
-and the JSON is rewritten after each recipe, so a run cut off keeps the recipes that finished. A
+times and the medians) to ``--out`` (default scripts/results/) and prints a table; each run's output goes
+to ``<out>/e2e-logs/<run>.log`` while it runs (a line per step), its result to ``<run>.json`` there,
+and the JSON is rewritten after each run, so a call cut off keeps the runs that finished. A
 recipe per device call (``--recipes``), then ``--merge`` of the calls' JSONs (same options, each run
 keeping its own commit/date/versions) gives the comparison.
 """
@@ -55,6 +57,8 @@ import benchmeta
 from shape_model import SHAPES, shape_config, write_shape_model
 
 RECIPES = ("jetrl-unified", "bf16")
+NUMERICS = ("hf", "strict")
+"""The trainer's numerics a run can take (model.numerics); a run of ``strict`` is keyed ``<recipe>+strict``."""
 TIMES = ("time/rollout_s", "time/old_logp_s", "time/update_s", "time/train_s", "time/sync_s")
 """The trainer's per-step phases kept (train = old log-probs + update)."""
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -145,6 +149,7 @@ def run_one(args) -> dict:
     keep = (*TIMES, "time/step_s", "sync/bytes", "response/length_mean")
     return {
         "recipe": args.one,
+        "numerics": args.numerics,
         "engine_quantization": quant,
         "setup_s": tr.setup_s,
         "converted_linears": len(tr.conversion.converted_names()),
@@ -210,10 +215,9 @@ def parse_args(argv: list[str] | None):
     )
     p.add_argument(
         "--numerics",
-        choices=("hf", "strict"),
         default="hf",
         help="the trainer's numerics (model.numerics; 'strict': jetrl.rollout.engine_strict, CUDA, needs --engine-ops "
-        "hf or fused): time the strict step against a run without it",
+        "hf or fused); 'hf,strict' runs each recipe both ways, each in its own process, and reports strict/hf",
     )
     p.add_argument("--cuda-graphs", action="store_true", help="let vLLM capture CUDA graphs (enforce_eager=False)")
     p.add_argument(
@@ -249,7 +253,10 @@ def parse_args(argv: list[str] | None):
     if args.engine_ops != "vllm" and args.fuse != (args.engine_ops == "fused"):
         p.error(f"--engine-ops {args.engine_ops} computes the norms as a trainer {'with' if args.fuse else 'without'} "
                 f"--fuse does not: use --engine-ops {'fused' if args.fuse else 'hf'}")  # fmt: skip
-    if args.numerics == "strict" and args.engine_ops == "vllm":
+    numerics = args.numerics.split(",")
+    if not numerics or set(numerics) - set(NUMERICS) or len(set(numerics)) != len(numerics):
+        p.error(f"--numerics {args.numerics}: one or more of {','.join(NUMERICS)}, each once")
+    if "strict" in numerics and args.engine_ops == "vllm":
         p.error("--numerics strict needs the trainer's ops in the engine: --engine-ops hf (or fused with --fuse)")
     args.prompts = args.prompts or (16 if args.tiny else 32)
     args.max_tokens = args.max_tokens or (16 if args.tiny else 512)
@@ -264,20 +271,30 @@ def parse_args(argv: list[str] | None):
     return args
 
 
+def run_key(recipe: str, numerics: str) -> str:
+    """A run's key in ``runs`` / ``median``: the recipe, ``+strict`` for a run of the strict numerics."""
+    return recipe if numerics == "hf" else f"{recipe}+{numerics}"
+
+
 def summarize(out: dict) -> dict:
-    """`out` with its medians (and unified / BF16 ratios when it holds both recipes) from its runs."""
+    """`out` with its medians, the unified / BF16 ratios when it holds both recipes, and each recipe's strict /
+    hf ratios when it holds both numerics of it."""
     keys = (*TIMES, "time/step_s")
     table = {}
-    for r in RECIPES:
-        if r in out["runs"]:
-            steps = out["runs"][r]["steps"]
-            table[r] = {k: _median(steps, k) for k in keys}
-            table[r]["sync/bytes"] = steps[-1]["sync/bytes"]
-            table[r]["response/length_mean"] = steps[-1]["response/length_mean"]
+    for r, run in out["runs"].items():
+        steps = run["steps"]
+        table[r] = {k: _median(steps, k) for k in keys}
+        table[r]["sync/bytes"] = steps[-1]["sync/bytes"]
+        table[r]["response/length_mean"] = steps[-1]["response/length_mean"]
     out["median"] = table
-    out.pop("unified_over_bf16", None)
-    if len(table) == len(RECIPES):
+    for name in ("unified_over_bf16", "strict_over_hf"):
+        out.pop(name, None)
+    if set(RECIPES) <= set(table):
         out["unified_over_bf16"] = {k: table["jetrl-unified"][k] / table["bf16"][k] for k in keys}
+    strict = {r: {k: table[run_key(r, "strict")][k] / table[r][k] for k in keys}
+              for r in RECIPES if {r, run_key(r, "strict")} <= set(table)}  # fmt: skip
+    if strict:
+        out["strict_over_hf"] = strict
     return out
 
 
@@ -289,11 +306,13 @@ def print_table(out: dict) -> None:
         f"{c['prompts']} prompts x {c['samples']} samples x {c['max_tokens']} tokens (median of {c['steps']})"
     )
     heads = ("rollout s", "old-logp s", "update s", "train s", "sync s", "step s")
-    print(f"{'recipe':<16}" + "".join(f"{h:>12}" for h in heads) + f"{'sync MiB':>12}")
+    print(f"{'run':<22}" + "".join(f"{h:>12}" for h in heads) + f"{'sync MiB':>12}")
     for r, t in out["median"].items():
-        print(f"{r:<16}" + "".join(f"{t[k]:>12.3f}" for k in keys) + f"{t['sync/bytes'] / 2**20:>12.2f}")
+        print(f"{r:<22}" + "".join(f"{t[k]:>12.3f}" for k in keys) + f"{t['sync/bytes'] / 2**20:>12.2f}")
     if "unified_over_bf16" in out:
-        print(f"{'unified/bf16':<16}" + "".join(f"{out['unified_over_bf16'][k]:>12.2f}" for k in keys))
+        print(f"{'unified/bf16':<22}" + "".join(f"{out['unified_over_bf16'][k]:>12.2f}" for k in keys))
+    for r, ratio in out.get("strict_over_hf", {}).items():
+        print(f"{r + ' strict/hf':<22}" + "".join(f"{ratio[k]:>12.2f}" for k in keys))
 
 
 def merge(paths: list[Path]) -> dict:
@@ -322,12 +341,14 @@ def merge(paths: list[Path]) -> dict:
 
 
 def result_path(out: dict, folder: Path) -> Path:
-    """``folder/e2e-[<shape>-l<layers>-]<gpu|cpu>.json`` (no shape part for the 0.6B and tiny models; a CPU's
-    `benchmeta.device_name` starts with "CPU")."""
+    """``folder/e2e-[<shape>-l<layers>-][strict-]<gpu|cpu>.json`` (no shape part for the 0.6B and tiny models; the
+    strict part where a run has the strict numerics; a CPU's `benchmeta.device_name` starts with "CPU")."""
     device = out["device"]
     tag = "cpu" if device.startswith("CPU ") else re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
     shape = out["shape"]
     name = "" if shape is None or shape["name"] == "qwen3-0.6b" else f"{shape['name']}-l{shape['layers']}-"
+    if "strict" in (out["config"].get("numerics") or "hf").split(","):
+        name += "strict-"
     return folder / f"e2e-{name}{tag}.json"
 
 
@@ -391,8 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_path = Path(tmp) / "model"
         _make_model(model_path, args.tiny, args.seed, args.shape, args.layers)
-        for recipe in args.recipes:
-            res, log = logdir / f"{recipe}.json", logdir / f"{recipe}.log"
+        for recipe, numerics in [(r, n) for r in args.recipes for n in args.numerics.split(",")]:
+            key = run_key(recipe, numerics)
+            res, log = logdir / f"{key}.json", logdir / f"{key}.log"
             cmd = [
                 sys.executable,
                 __file__,
@@ -401,17 +423,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"--run-dir={Path(tmp) / 'runs'}",
                 f"--result={res}",
             ]
-            cmd += list(argv if argv is not None else sys.argv[1:])
+            cmd += [*(argv if argv is not None else sys.argv[1:]), f"--numerics={numerics}"]  # the last one counts
             env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-            print(f"== {recipe}: log in {log}", file=sys.stderr, flush=True)
+            print(f"== {key}: log in {log}", file=sys.stderr, flush=True)
             with log.open("w") as f:
                 proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
             if proc.returncode != 0:
                 print(log.read_text(errors="replace")[-4000:], file=sys.stderr)
-                print(f"bench_e2e: the {recipe} run failed (exit {proc.returncode})", file=sys.stderr)
+                print(f"bench_e2e: the {key} run failed (exit {proc.returncode})", file=sys.stderr)
                 return 1
-            out["runs"][recipe] = {**json.loads(res.read_text()), "meta": benchmeta.meta(args.commit)}
-            write(out, path, args.note)  # after each recipe: a later one cut off keeps this one's result
+            out["runs"][key] = {**json.loads(res.read_text()), "meta": benchmeta.meta(args.commit)}
+            write(out, path, args.note)  # after each run: a later one cut off keeps this one's result
     return 0
 
 

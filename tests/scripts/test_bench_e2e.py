@@ -108,6 +108,25 @@ def test_strict_numerics_are_a_compared_option(bench, capsys):
     assert bench._config(args, "jetrl-unified", "/m", "/r")["model"]["numerics"] == "strict"
     assert bench._config(bench.parse_args([]), "bf16", "/m", "/r")["model"]["numerics"] == "hf"
     assert "numerics" in bench.CONFIG_KEYS
+    for bad in ("strict,strict", "hf,bf16", ""):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--numerics", bad, "--engine-ops", "hf"])
+        assert f"--numerics {bad}: one or more of hf,strict" in capsys.readouterr().err
+
+
+def test_strict_and_hf_runs_of_a_recipe_give_the_strict_cost(bench, tmp_path, capsys):
+    """``--numerics hf,strict``: both runs of a recipe in one result, keyed apart, with their ratio."""
+    out = _part(bench, "jetrl-unified", [30.0, 10.0, 12.0], engine_ops="hf", numerics="hf,strict")
+    strict = _part(bench, "jetrl-unified", [40.0, 13.0, 15.0])["runs"]["jetrl-unified"]
+    out["runs"][bench.run_key("jetrl-unified", "strict")] = strict
+    bench.summarize(out)
+    assert list(out["median"]) == ["jetrl-unified", "jetrl-unified+strict"]
+    assert out["strict_over_hf"]["jetrl-unified"]["time/step_s"] == pytest.approx(14.0 / 11.0)
+    assert "unified_over_bf16" not in out
+    assert bench.result_path(out, tmp_path).name == "e2e-strict-nvidia-h200.json"
+    bench.print_table(out)
+    assert "jetrl-unified strict/hf" in capsys.readouterr().out
+    assert bench.run_key("bf16", "hf") == "bf16"
 
 
 def test_merge_reads_older_results_without_the_later_options(bench, tmp_path):
