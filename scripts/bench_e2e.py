@@ -29,7 +29,7 @@ and copy of a real step is executed.
 
 The step is split into rollout / old log-probs (the no-grad pass over the batch, ref included) / update /
 sync (the trainer's ``time/*`` of each step). ``--numerics hf,strict`` times each recipe with the default
-and with the strict numerics (``model.numerics=strict``, runs keyed ``<recipe>+strict``, written to
+and with the strict numerics (``model.numerics=strict``, runs keyed ``<recipe>-strict``, written to
 ``e2e-[...-]strict-<device>.json``) and reports the strict / hf ratio of each phase.
 
 Writes ``e2e-<device>.json`` (device name, torch/triton/vllm versions, date, the config, every step's
@@ -58,7 +58,7 @@ from shape_model import SHAPES, shape_config, write_shape_model
 
 RECIPES = ("jetrl-unified", "bf16")
 NUMERICS = ("hf", "strict")
-"""The trainer's numerics a run can take (model.numerics); a run of ``strict`` is keyed ``<recipe>+strict``."""
+"""The trainer's numerics a run can take (model.numerics); a run of ``strict`` is keyed ``<recipe>-strict``."""
 TIMES = ("time/rollout_s", "time/old_logp_s", "time/update_s", "time/train_s", "time/sync_s")
 """The trainer's per-step phases kept (train = old log-probs + update)."""
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -272,8 +272,9 @@ def parse_args(argv: list[str] | None):
 
 
 def run_key(recipe: str, numerics: str) -> str:
-    """A run's key in ``runs`` / ``median``: the recipe, ``+strict`` for a run of the strict numerics."""
-    return recipe if numerics == "hf" else f"{recipe}+{numerics}"
+    """A run's key in ``runs`` / ``median`` and its log's file name: the recipe, ``-strict`` for a run of the
+    strict numerics (a file name the device tool returns: letters, digits, '.', '_', '-')."""
+    return recipe if numerics == "hf" else f"{recipe}-{numerics}"
 
 
 def summarize(out: dict) -> dict:

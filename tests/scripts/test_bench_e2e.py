@@ -120,7 +120,7 @@ def test_strict_and_hf_runs_of_a_recipe_give_the_strict_cost(bench, tmp_path, ca
     strict = _part(bench, "jetrl-unified", [40.0, 13.0, 15.0])["runs"]["jetrl-unified"]
     out["runs"][bench.run_key("jetrl-unified", "strict")] = strict
     bench.summarize(out)
-    assert list(out["median"]) == ["jetrl-unified", "jetrl-unified+strict"]
+    assert list(out["median"]) == ["jetrl-unified", "jetrl-unified-strict"]
     assert out["strict_over_hf"]["jetrl-unified"]["time/step_s"] == pytest.approx(14.0 / 11.0)
     assert "unified_over_bf16" not in out
     assert bench.result_path(out, tmp_path).name == "e2e-strict-nvidia-h200.json"
