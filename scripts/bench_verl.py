@@ -352,8 +352,11 @@ META_KEYS = ("device", "versions", "date", "commit", "command")
 
 def merge(paths: list[Path], key: str = "recipe", order=RECIPES) -> dict:
     """One result from several (each run keeps its own ``meta`` of where and from what commit it ran); a later
-    file's run of the same `key` (a recipe, a shape) replaces an earlier one; runs are listed in `order`."""
+    file's run of the same `key` (a recipe, a shape) replaces an earlier one; runs are listed in `order`. The
+    top-level ``steps_per_recipe`` stays only when the kept runs' calls asked for the same count (otherwise
+    each run's ``summary.steps`` says)."""
     runs: dict[str, dict] = {}
+    asked: dict[str, object] = {}
     result: dict = {}
     for path in paths:
         part = json.loads(path.read_text())
@@ -361,7 +364,10 @@ def merge(paths: list[Path], key: str = "recipe", order=RECIPES) -> dict:
         for r in part["runs"]:
             meta = r.get("meta") or {k: part[k] for k in META_KEYS if k in part}
             runs[r[key]] = {**r, "meta": meta}
+            asked[r[key]] = part.get("steps_per_recipe")
     result["runs"] = [runs[r] for r in order if r in runs]
+    if len({asked[r] for r in runs}) > 1:
+        result.pop("steps_per_recipe", None)
     result["merged_from"] = [str(p) for p in paths]
     result["command"] = benchmeta.command()  # the merge's; each run's own is in its ``meta``
     return result

@@ -92,7 +92,15 @@ def test_a_line_that_is_not_verl_s_is_named(bench, tmp_path):
 
 
 def _result(runs, commit):
-    return {"device": "GPU", "versions": {}, "date": "d", "commit": commit, "command": "c", "runs": runs}
+    return {
+        "device": "GPU",
+        "versions": {},
+        "date": "d",
+        "commit": commit,
+        "command": "c",
+        "steps_per_recipe": 5,
+        "runs": runs,
+    }
 
 
 def _run(recipe, dlogp, error=None):
@@ -128,6 +136,11 @@ def test_merge_keeps_each_run_s_provenance_and_later_files_win(bench, tmp_path, 
     assert m["unified_hf_ops_over_naive_mean_dlogp"] == pytest.approx(0.04)
     assert m["unified_hf_ops_over_bf16_mean_dlogp"] == pytest.approx(0.5)
     assert "unified-hf-ops / bf16 mean |dlogp|: 0.5" in capsys.readouterr().out
+    assert m["steps_per_recipe"] == 5  # every call asked for 5
+    d = tmp_path / "d.json"
+    d.write_text(json.dumps(_result([_run("jetrl-unified-strict", 0.0)], "ddd") | {"steps_per_recipe": 3}))
+    assert bench.main(["--out", str(out), "--merge", str(c), str(d)]) == 0
+    assert "steps_per_recipe" not in json.loads(out.read_text())  # 5 and 3 asked: each run's summary says
 
 
 def test_the_hf_ops_run_is_jetrl_unified_with_the_trainer_s_ops_in_the_engine(bench):
