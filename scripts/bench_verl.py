@@ -350,13 +350,16 @@ META_KEYS = ("device", "versions", "date", "commit", "command")
 """`benchmeta.meta`'s keys: a merged run keeps those of the file it came from under ``meta``."""
 
 
+CALL_KEYS = ("what", "steps_per_recipe", "seed")
+"""A call's settings in a result's header: a merge keeps one only where every kept run's call had the same
+value (otherwise each run's ``summary`` and ``meta.command`` say)."""
+
+
 def merge(paths: list[Path], key: str = "recipe", order=RECIPES) -> dict:
     """One result from several (each run keeps its own ``meta`` of where and from what commit it ran); a later
-    file's run of the same `key` (a recipe, a shape) replaces an earlier one; runs are listed in `order`. The
-    top-level ``steps_per_recipe`` stays only when the kept runs' calls asked for the same count (otherwise
-    each run's ``summary.steps`` says)."""
+    file's run of the same `key` (a recipe, a shape) replaces an earlier one; runs are listed in `order`."""
     runs: dict[str, dict] = {}
-    asked: dict[str, object] = {}
+    calls: dict[str, dict] = {}
     result: dict = {}
     for path in paths:
         part = json.loads(path.read_text())
@@ -364,10 +367,11 @@ def merge(paths: list[Path], key: str = "recipe", order=RECIPES) -> dict:
         for r in part["runs"]:
             meta = r.get("meta") or {k: part[k] for k in META_KEYS if k in part}
             runs[r[key]] = {**r, "meta": meta}
-            asked[r[key]] = part.get("steps_per_recipe")
+            calls[r[key]] = {k: part.get(k) for k in CALL_KEYS}
     result["runs"] = [runs[r] for r in order if r in runs]
-    if len({asked[r] for r in runs}) > 1:
-        result.pop("steps_per_recipe", None)
+    for k in CALL_KEYS:
+        if len({calls[r][k] for r in runs}) > 1:
+            result.pop(k, None)
     result["merged_from"] = [str(p) for p in paths]
     result["command"] = benchmeta.command()  # the merge's; each run's own is in its ``meta``
     return result

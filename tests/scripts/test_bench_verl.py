@@ -98,6 +98,7 @@ def _result(runs, commit):
         "date": "d",
         "commit": commit,
         "command": "c",
+        "what": "w",
         "steps_per_recipe": 5,
         "runs": runs,
     }
@@ -140,7 +141,8 @@ def test_merge_keeps_each_run_s_provenance_and_later_files_win(bench, tmp_path, 
     d = tmp_path / "d.json"
     d.write_text(json.dumps(_result([_run("jetrl-unified-strict", 0.0)], "ddd") | {"steps_per_recipe": 3}))
     assert bench.main(["--out", str(out), "--merge", str(c), str(d)]) == 0
-    assert "steps_per_recipe" not in json.loads(out.read_text())  # 5 and 3 asked: each run's summary says
+    m = json.loads(out.read_text())
+    assert "steps_per_recipe" not in m and m["what"] == "w"  # 5 and 3 asked: each run's summary says
 
 
 def test_the_hf_ops_run_is_jetrl_unified_with_the_trainer_s_ops_in_the_engine(bench):
