@@ -137,8 +137,8 @@ def test_plumbing_on_cpu_with_stand_ins_for_the_capture(monkeypatch):
 
 
 @pytest.mark.skipif(not has_sm90(), reason="needs an sm_90 CUDA GPU (Triton FP8 kernels, DeepGEMM, CUDA graphs)")
-@pytest.mark.parametrize("recipe", ["jetrl-unified", "bf16"])
-def test_gpu_graphed_equals_eager_bit_for_bit_across_an_optimizer_step(recipe):
+@pytest.mark.parametrize(("recipe", "fuse"), [("jetrl-unified", False), ("jetrl-unified", True), ("bf16", False)])
+def test_gpu_graphed_equals_eager_bit_for_bit_across_an_optimizer_step(recipe, fuse):
     from jetrl.convert import convert_model
     from jetrl.linear import refresh_fp8_weights_
     from jetrl.recipe import Recipe
@@ -146,7 +146,7 @@ def test_gpu_graphed_equals_eager_bit_for_bit_across_an_optimizer_step(recipe):
     from jetrl.train.policy import MixedPrecisionAdamW, forward_logprobs
 
     model = build_tiny_model(0).cuda().train()
-    convert_model(model, Recipe.from_name(recipe))
+    convert_model(model, Recipe.from_name(recipe), fuse=fuse)  # fuse: the RMSNorm/SwiGLU producers, graphed too
     opt = MixedPrecisionAdamW(model, lr=1e-3)
     graphed = GraphedLogprobs(model, temperature=1.0, pad_id=0, max_rows=4, max_tokens=None, max_width=100)
     graphed.capture_all()
