@@ -87,7 +87,10 @@ def write_shape_model(
         torch.manual_seed(seed)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
-    return save_checkpoint(model.cpu(), tokenizer_for(cfg.vocab_size, chat), path)
+    model.cpu()
+    if torch.cuda.is_available():  # the allocator would keep the init's blocks (12 GB at 8 Llama-8B layers)
+        torch.cuda.empty_cache()  # from the engine and trainer that the caller starts next on the same GPU
+    return save_checkpoint(model, tokenizer_for(cfg.vocab_size, chat), path)
 
 
 def main(argv: list[str] | None = None) -> int:
