@@ -5,36 +5,37 @@ Why: every FP8 Linear's forward + backward costs 1.3-1.8 ms of host time in eage
 DeepGEMM calls, autograd; ``scripts/results/host-nvidia-h200.json``), more than its GPU time at RL micro-batch
 sizes, so the FP8 training phase is host-bound. A replayed CUDA graph issues the whole model's kernels at once.
 
-How: `GraphedLogprobs` keeps, per shape bucket, one graph pair (forward, backward:
-`torch.cuda.make_graphed_callables`) and one no-grad forward graph (log-probs and entropies). A micro-batch
-``[rows, width]`` is padded on the right to the bucket ``[R, W]``: ``W`` the narrowest `bucket_widths` >= width
-(powers of two from `MIN_WIDTH`, and the engine's context length rounded up to 64 as the top: with power-of-two
-buckets only, 512-token responses after a 16-token prompt ran in 1024-wide buckets, and BF16's update got
-slower on graphs than eager), ``R`` the micro-batch size, or with a token budget the most rows a micro-batch of
-that bucket can have (``budget // (previous width + 1)``, capped by the micro-batch size; the narrowest bucket
-takes the micro-batch size). Padding columns have attention mask 0; a padding row attends to its first token only, so
-that no batch row is fully masked: on the H200 the GPU test's `bf16` q/k/v wgrads came out all NaN, eager and
-graphed alike, for a bucket with a fully masked row (finite on CPU; the likely source is CUDA SDPA's backward
-over a row with no key to attend to, which spreads NaN into every wgrad although the row's log-probs are cut
-off; with this padding the GPU test passes for both recipes). The log-probs of padding rows and columns are
-cut off before the loss, so their gradient is 0; they do take part in the 128-token blocks of the wgrad
-operands, as the padding of an eager micro-batch does. Every bucket is captured once, before training
-(`capture_all`), because capturing runs warm-up iterations whose gradients land in the accumulators (the
-optimizer's gradients are zeroed after) and whose uninitialised output gradients may trip the kernels'
-non-finite flags (cleared after).
+How: `GraphedLogprobs` keeps, per shape bucket, one graph pair (forward, and a backward that adds every
+parameter's gradient to its ``main_grad``: `_GradGraph`) and one no-grad forward graph (log-probs and
+entropies). A micro-batch ``[rows, width]`` is padded on the right to the bucket ``[R, W]``: ``W`` the narrowest
+`bucket_widths` >= width (powers of two from `MIN_WIDTH`, and the engine's context length rounded up to 64 as
+the top: with power-of-two buckets only, 512-token responses after a 16-token prompt ran in 1024-wide buckets,
+and BF16's update got slower on graphs than eager), ``R`` the micro-batch size, or with a token budget the most
+rows a micro-batch of that bucket can have (``budget // (previous width + 1)``, capped by the micro-batch size;
+the narrowest bucket takes the micro-batch size). Padding columns have attention mask 0; a padding row attends
+to its first token only, so that no batch row is fully masked: on the H200 the GPU test's `bf16` q/k/v wgrads
+came out all NaN, eager and graphed alike, for a bucket with a fully masked row (finite on CPU; the likely
+source is CUDA SDPA's backward over a row with no key to attend to, which spreads NaN into every wgrad although
+the row's log-probs are cut off; with this padding the GPU test passes for both recipes). The log-probs of
+padding rows and columns are cut off before the loss, so their gradient is 0; they do take part in the 128-token
+blocks of the wgrad operands, as the padding of an eager micro-batch does. Every bucket is captured once, before
+training (`capture_all`; its warm-up iterations run with a zero output gradient, and the trainer zeroes the
+optimizer's gradients after).
 
-Memory: all graphs share one graph memory pool, so they hold about the largest bucket's activations, not
-their sum. That is safe for how the trainer replays them: a bucket's backward always follows its own
-forward before any other graph runs (a later capture may reuse what an earlier one freed, never what a graph
-keeps between its forward and backward), and the log-probs a forward returns are used up (loss, statistics,
-the copy into the batch's old log-probs) before the next replay overwrites them.
+Memory: all graphs share one graph memory pool, so they hold about the largest bucket's activations, not their
+sum, and no gradient buffers (with torch's `make_graphed_callables` each graph kept a BF16 gradient of every
+parameter: at 8 Llama-8B layers the BF16 recipe's 7 buckets ran out of memory beside vLLM). That is safe for how
+the trainer replays them: a bucket's backward always follows its own forward before any other graph runs (a
+later capture may reuse what an earlier one freed, never what a graph keeps between its forward and backward),
+and the log-probs a forward returns are used up (loss, statistics, the copy into the batch's old log-probs)
+before the next replay overwrites them.
 
 What replay reads: the captured tensors. The inputs are copied into the graph's static input buffers; the
 BF16 parameters are updated in place by the optimizer (same storage); the FP8 weight caches must be
 updated in place too, so after every optimizer step the trainer calls `jetrl.linear.refresh_fp8_weights_`
-(a re-quantization into the cached tensors, once per step as in eager mode). fp32 wgrads accumulate into
-the parameters' ``main_grad`` inside the backward graph; the other parameters' gradients come out of it and
-are accumulated by autograd as usual.
+(a re-quantization into the cached tensors, once per step as in eager mode). Every parameter's gradient
+is added to its fp32 ``main_grad`` inside the backward graph: an FP8 Linear's wgrad by the Linear, the
+others' as `MixedPrecisionAdamW`'s accumulation hook does in eager mode.
 
 Equality: a graph replays the kernels eager mode launches for the same padded shapes, so the graphed and
 the eager log-probs and gradients of a padded micro-batch are equal bit for bit (GPU test
@@ -106,26 +107,101 @@ class _Logprobs(nn.Module):
         return (lp, ent) if self.with_entropy else lp
 
 
+def _warm_up(fn, iters: int) -> None:
+    """Run `fn` `iters` times on a side stream, outside any capture (lazy initialisation, Triton autotuning,
+    DeepGEMM's JIT), then give the blocks it freed back to the device: a capture allocates from its graph pool,
+    which cannot reuse what the ordinary cache keeps."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(iters):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def _capture(fn, pool):
+    """Capture `fn` (which writes its results to attributes it keeps) into a CUDA graph in `pool`; returns
+    the graph's replay."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        fn()
+    return graph.replay
+
+
 class _NoGradGraph:
     """One captured no-grad forward (log-probs and entropies) with static inputs."""
 
     def __init__(self, fn: _Logprobs, sample: tuple[torch.Tensor, ...], pool) -> None:
-        self.inputs = tuple(t.clone() for t in sample)
-        with torch.no_grad():
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up outside the capture (lazy initialisation, autotuning)
-                fn(*self.inputs)
-            torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=pool):
-                self.outputs = fn(*self.inputs)
+        self.fn, self.inputs = fn, tuple(t.clone() for t in sample)
+        _warm_up(self._forward, 1)
+        self.replay = _capture(self._forward, pool)
+
+    @torch.no_grad()
+    def _forward(self) -> None:
+        self.outputs = self.fn(*self.inputs)
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         for dst, src in zip(self.inputs, inputs, strict=True):
             dst.copy_(src)
-        self.graph.replay()
+        self.replay()
         return self.outputs
+
+
+class _GradGraph:
+    """One captured forward (log-probs, static inputs and output) and its backward, which adds each trainable
+    parameter's gradient to its fp32 ``main_grad`` inside the graph, as `MixedPrecisionAdamW`'s hook does in
+    eager mode (``main_grad += grad.float()``; a `JetFP8Linear` weight's wgrad is added by the Linear itself
+    and has no autograd gradient). So a graph keeps no gradient of its own: torch's `make_graphed_callables`
+    returns every parameter's gradient from static buffers each graph holds for its lifetime (a full BF16
+    copy of the model per bucket)."""
+
+    WARMUP = 3
+    """Warm-up iterations before the capture (as `torch.cuda.make_graphed_callables`)."""
+
+    def __init__(self, fn: _Logprobs, sample: tuple[torch.Tensor, ...], pool, params: list[nn.Parameter]) -> None:
+        self.fn, self.params, self.inputs = fn, params, tuple(t.clone() for t in sample)
+        self.grad_out: torch.Tensor | None = None
+        _warm_up(self._warm_step, self.WARMUP)
+        self.replay_forward = _capture(self._forward, pool)
+        self.replay_backward = _capture(self._backward, pool)
+        self.out = self.out.detach()  # drop the capture's autograd graph: what it kept goes back to the pool
+
+    def _warm_step(self) -> None:
+        self._forward()
+        if self.grad_out is None:  # 0: the warm-up adds nothing to main_grad; a replay copies the loss's in
+            self.grad_out = torch.zeros_like(self.out)
+        self._backward()
+
+    def _forward(self) -> None:
+        self.out = self.fn(*self.inputs)
+
+    def _backward(self) -> None:
+        grads = torch.autograd.grad(self.out, self.params, grad_outputs=self.grad_out, allow_unused=True)
+        for p, g in zip(self.params, grads, strict=True):
+            if g is not None:
+                p.main_grad.add_(g.to(torch.float32))
+
+
+class _Replay(torch.autograd.Function):
+    """The autograd node of a `_GradGraph` replay: forward replays its forward graph on the inputs, backward
+    copies the output's gradient in and replays its backward graph. ``anchor`` is an empty tensor that
+    requires grad, so that the output does (the parameters' gradients never leave the graph)."""
+
+    @staticmethod
+    def forward(ctx, graph: _GradGraph, anchor: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        for dst, src in zip(graph.inputs, inputs, strict=True):
+            dst.copy_(src)
+        graph.replay_forward()
+        ctx.graph, ctx.n_inputs = graph, len(inputs)
+        return graph.out.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.graph.grad_out.copy_(grad)
+        ctx.graph.replay_backward()
+        return (None, None, *(None,) * ctx.n_inputs)
 
 
 def pad_to(sub: TokenBatch, rows: int, width: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -167,12 +243,20 @@ class GraphedLogprobs:
             key=lambda rw: rw[1],
         )
         self.temperature = temperature
-        self._graphs: dict[tuple[int, int], object] = {}
+        self._params = [p for p in model.parameters() if p.requires_grad]
+        missing = [n for n, p in model.named_parameters() if p.requires_grad and not hasattr(p, "main_grad")]
+        if missing:
+            raise ValueError(
+                f"algo.cuda_graphs: parameter {missing[0]!r} has no main_grad; the backward graphs add gradients "
+                "to the fp32 accumulators of MixedPrecisionAdamW (create it before the graphs)"
+            )
+        self._anchor = torch.empty(0, device=next(model.parameters()).device, requires_grad=True)
+        self._graphs: dict[tuple[int, int], _GradGraph] = {}
         self._nograd: dict[tuple[int, int], _NoGradGraph] = {}
         self.replays = 0
 
     def capture_all(self) -> None:
-        """Capture every bucket (warm-up iterations included: zero the gradients afterwards)."""
+        """Capture every bucket (each graph's warm-up iterations run with a zero output gradient)."""
         device = next(self.model.parameters()).device
         pool = torch.cuda.graph_pool_handle()
         for r, w in self.buckets:
@@ -180,16 +264,11 @@ class GraphedLogprobs:
             mask = torch.ones((r, w), dtype=torch.long, device=device)
             mask[:, w // 2 + 1 :] = 0  # a padded sample: the masked attention path a replay takes
             sample = (ids, mask, ids[:, 1:].contiguous())
-            # a wrapper of its own per bucket: make_graphed_callables replaces the module's forward with the graph;
-            # allow_unused_input: an FP8 Linear's weight gets no autograd gradient (its wgrad goes to main_grad)
-            self._graphs[(r, w)] = torch.cuda.make_graphed_callables(
-                _Logprobs(self.model, self.temperature), sample, pool=pool, allow_unused_input=True
-            )
+            self._graphs[(r, w)] = _GradGraph(_Logprobs(self.model, self.temperature), sample, pool, self._params)
             forward_only = _Logprobs(self.model, self.temperature, with_entropy=True)
             self._nograd[(r, w)] = _NoGradGraph(forward_only, sample, pool)
         torch.cuda.synchronize(device)
-        # the warm-up backward runs on uninitialised output gradients (torch.empty_like): whatever non-finite
-        # values it met must not be reported as the first step's
+        # the captures' samples are padding, not data: a non-finite value they met is not the first step's
         from jetrl.kernels import reset_nonfinite
 
         reset_nonfinite()
@@ -209,7 +288,8 @@ class GraphedLogprobs:
         backward replays the bucket's backward graph."""
         key = self._bucket(sub, width)
         self.replays += 1
-        return self._graphs[key](*pad_to(sub, *key, self.pad_id))[: len(sub), : width - 1]
+        lp = _Replay.apply(self._graphs[key], self._anchor, *pad_to(sub, *key, self.pad_id))
+        return lp[: len(sub), : width - 1]
 
     def no_grad(self, sub: TokenBatch, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs, entropies) ``[rows, width - 1]`` of `sub` without autograd (the old-log-prob pass),

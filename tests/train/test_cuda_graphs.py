@@ -78,62 +78,74 @@ def test_graphs_refuse_a_cpu_model():
         GraphedLogprobs(torch.nn.Linear(2, 2), temperature=1.0, pad_id=0, max_rows=2, max_tokens=None, max_width=8)
 
 
-def test_plumbing_on_cpu_with_stand_ins_for_the_capture(monkeypatch):
-    """The bookkeeping around the captures, on CPU: stand-ins that behave like torch's (make_graphed_callables
-    replaces the module's forward and refuses other shapes than the sample's; a no-grad graph replays its
-    sample's shapes only) run eagerly. Each bucket must get its own wrapper, the micro-batch is padded to its
-    bucket and cut back, gradients reach the accumulators, and eager results come out."""
+def _eager_captures(monkeypatch):
+    """Stand-ins for the CUDA side of `jetrl.train.graphs` on CPU: a capture runs its function once and a replay
+    runs it again, so the bookkeeping around the graphs (static buffers, the autograd node of a replay, the
+    gradients added to main_grad) runs as on the GPU, eagerly."""
     import jetrl.train.graphs as graphs
+
+    def capture(fn, pool):
+        assert pool == "pool"
+        fn()
+
+        def replay():  # a replay issues the captured kernels: autograd's mode inside a Function does not matter
+            with torch.enable_grad():
+                fn()
+
+        return replay
+
+    monkeypatch.setattr(graphs, "_require_cuda", lambda model: None)
+    monkeypatch.setattr(graphs, "_warm_up", lambda fn, iters: [fn() for _ in range(iters)])
+    monkeypatch.setattr(graphs, "_capture", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+
+def test_graphs_need_the_optimizers_gradient_accumulators(monkeypatch):
+    from jetrl.tiny import build_tiny_model
+
+    _eager_captures(monkeypatch)
+    with pytest.raises(ValueError, match="parameter 'model.embed_tokens.weight' has no main_grad"):
+        GraphedLogprobs(build_tiny_model(0), temperature=1.0, pad_id=0, max_rows=2, max_tokens=None, max_width=8)
+
+
+@pytest.mark.parametrize("recipe", ["jetrl-unified", "bf16"])
+def test_plumbing_on_cpu_with_eager_stand_ins_for_the_capture(monkeypatch, recipe):
+    """On CPU with `_eager_captures`: every bucket gets its own graphs, the warm-up adds nothing to the
+    gradients, a micro-batch is padded to its bucket and cut back, and its log-probs and every parameter's
+    main_grad (FP8 Linears' and the others', which the backward graph adds) equal eager mode's."""
     from jetrl.convert import convert_model
     from jetrl.tiny import build_tiny_model
     from jetrl.train.policy import MixedPrecisionAdamW, forward_logprobs
 
-    def fake_make_graphed_callables(module, sample, pool=None, allow_unused_input=False):
-        assert pool == "pool" and allow_unused_input and isinstance(module, torch.nn.Module)
-        orig, shapes = module.forward, [t.shape for t in sample]
-
-        def forward(*args):
-            assert [a.shape for a in args] == shapes, "a graph replayed with other shapes than it was captured with"
-            return orig(*args)
-
-        module.forward = forward
-        return module
-
-    class FakeNoGrad:
-        def __init__(self, fn, sample, pool):
-            self.fn, self.shapes = fn, [t.shape for t in sample]
-
-        def __call__(self, *args):
-            assert [a.shape for a in args] == self.shapes
-            with torch.no_grad():
-                return self.fn(*args)
-
-    monkeypatch.setattr(graphs, "_require_cuda", lambda model: None)
-    monkeypatch.setattr(graphs, "_NoGradGraph", FakeNoGrad)
-    monkeypatch.setattr(torch.cuda, "make_graphed_callables", fake_make_graphed_callables)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    _eager_captures(monkeypatch)
     model = build_tiny_model(0)
-    convert_model(model, "jetrl-unified", backend="emulated")
+    convert_model(model, recipe, backend="emulated")
     opt = MixedPrecisionAdamW(model, lr=1e-3)
     g = GraphedLogprobs(model, temperature=1.0, pad_id=0, max_rows=4, max_tokens=None, max_width=100)
     g.capture_all()
     assert sorted(g._graphs) == [(4, 64), (4, 128)] and len({id(m) for m in g._graphs.values()}) == 2
-    opt.zero_grad()
+    assert all(not p.main_grad.any() for p in opt.params), "the captures' warm-up added to the gradients"
     gen = torch.Generator().manual_seed(0)
     for rows, width in ((3, 40), (2, 90)):
         ids = torch.randint(3, 60, (rows, width), generator=gen)
         sub = TokenBatch(ids, torch.ones_like(ids), ids[:, 1:], None, None, None)
+        weight = torch.rand(rows, width - 1, generator=gen)
         lp = g(sub, width)
         assert lp.shape == (rows, width - 1) and lp.requires_grad
-        want = forward_logprobs(model, TokenBatch(*pad_to(sub, *g._bucket(sub, width), 0), None, None, None))[0]
-        assert torch.equal(lp.detach(), want[:rows, : width - 1].detach())
-        lp.sum().backward()
-        assert all(bool(p.main_grad.abs().sum() > 0) for p in opt.params[:3])
+        (lp * weight).sum().backward()
+        got = [p.main_grad.clone() for p in opt.params]
+        opt.zero_grad()
+        padded = TokenBatch(*pad_to(sub, *g._bucket(sub, width), 0), None, None, None)
+        want_lp = forward_logprobs(model, padded)[0][:rows, : width - 1]
+        assert torch.equal(lp.detach(), want_lp.detach())
+        (want_lp * weight).sum().backward()
+        for (name, _), a, b in zip(model.named_parameters(), got, [p.main_grad for p in opt.params], strict=True):
+            assert torch.equal(a, b) and bool(a.any()), f"{name}: graphed main_grad differs from eager or is 0"
         opt.zero_grad()
         lp_ng, ent = g.no_grad(sub, width)
         assert torch.equal(lp_ng, lp.detach()) and ent.shape == lp.shape and not lp_ng.requires_grad
-    assert g.replays == 4
+    assert g.replays == 4 and g._anchor.grad is None
 
 
 @pytest.mark.skipif(not has_sm90(), reason="needs an sm_90 CUDA GPU (Triton FP8 kernels, DeepGEMM, CUDA graphs)")
