@@ -15,12 +15,20 @@ third follows an in-place update of every trainer weight, as after an optimizer 
 re-quantizing all of them: the sync an RL step pays). Reference (NUMERICS.md):
 stock vLLM 0.26 BF16 8.5k / 16.3k tok/s, block-FP8 10.8k / 19.6k at batch 64 / 256.
 
+``--layers N`` keeps N of the 32 decoder layers and ``--shapes B:IN:OUT,...`` replaces the decode shapes
+(e.g. ``--layers 8 --shapes 256:16:2048``: the rollout of ``bench_e2e.py --shape llama3.1-8b --layers 8
+--max-tokens 2048``). ``--profile`` then runs one more generate at the last shape (``--profile-tokens``
+output tokens) under torch.profiler and keeps per mode the wall and GPU-busy milliseconds per output token
+step (its prefill included) and the kernels with the most GPU time: where a decode step's time goes (GPU kernels, or the host
+between them), measured.
+
 CPU (``--tiny``): the same flow on the tiny Qwen3 (`jetrl.tiny`) with the emulated GEMM backend, plus
 the log-prob mismatch per recipe; stock FP8 is reported as unavailable (vLLM's CPU block-FP8 path needs
 Intel AMX). Writes scripts/results/rollout-<cpu|gpu>.json and prints a table.
 
     python scripts/bench_rollout.py --tiny
     python scripts/bench_rollout.py            # on the H200
+    python scripts/bench_rollout.py --layers 8 --shapes 256:16:2048 --profile --modes bf16 jetrl_fp8
 """
 
 from __future__ import annotations
@@ -135,6 +143,11 @@ def _decode(engine, batch: int, in_len: int, out_len: int, vocab: int, seed: int
     }
 
 
+def _model_config(args) -> dict:
+    """`LLAMA_8B` with ``--layers`` decoder layers."""
+    return {**LLAMA_8B, "num_hidden_layers": args.layers}
+
+
 def _model_dir(args, tmp: Path) -> tuple[Path, int]:
     if args.tiny:
         from jetrl.tiny import save_tiny_checkpoint
@@ -142,8 +155,57 @@ def _model_dir(args, tmp: Path) -> tuple[Path, int]:
         return save_tiny_checkpoint(tmp / "tiny", seed=0), 78
     d = tmp / "llama-8b-shape"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps(LLAMA_8B, indent=2))
+    (d / "config.json").write_text(json.dumps(_model_config(args), indent=2))
     return d, LLAMA_8B["vocab_size"]
+
+
+def profile_summary(kernels: list[tuple[str, int, float]], *, wall_s: float, steps: int, top: int = 15) -> dict:
+    """Where a decode step's time goes, from ``(kernel name, calls, GPU microseconds)`` of a profiled generate of
+    `steps` output tokens that took `wall_s`: wall and GPU-busy ms per step (their gap is host time the GPU
+    waited through, when kernels do not overlap) and the `top` kernels by GPU time, with their share."""
+    if steps < 1 or wall_s <= 0:
+        raise ValueError(f"profile_summary: steps={steps}, wall_s={wall_s} must be positive")
+    busy_us = sum(us for _, _, us in kernels)
+    if busy_us <= 0:
+        raise ValueError("profile_summary: no GPU kernel time was recorded (CUDA activity profiling unavailable?)")
+    rows = sorted(kernels, key=lambda k: -k[2])[:top]
+    return {
+        "steps": steps,
+        "wall_ms_per_step": wall_s * 1e3 / steps,
+        "gpu_busy_ms_per_step": busy_us / 1e3 / steps,
+        "top_kernels": [
+            {
+                "name": n,
+                "calls_per_step": c / steps,
+                "gpu_us_per_step": us / steps,
+                "share": us / busy_us,
+            }
+            for n, c, us in rows
+        ],
+    }
+
+
+def _profile(engine, batch: int, in_len: int, tokens: int, vocab: int) -> dict:
+    """One generate of `batch` prompts x `tokens` output tokens under torch.profiler (CUDA kernels, graph
+    replays included), after a warm-up at the same shape."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, vocab, (batch, in_len), generator=g).tolist()
+    engine.generate(prompts, max_tokens=tokens, seed=1, ignore_eos=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        engine.generate(prompts, max_tokens=tokens, seed=1, ignore_eos=True)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels = [
+        (e.key, e.count, e.self_device_time_total)
+        for e in prof.key_averages()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0
+    ]
+    return {"batch": batch, "input_len": in_len, **profile_summary(kernels, wall_s=wall, steps=tokens)}
 
 
 def _trainer(args, recipe):
@@ -159,7 +221,7 @@ def _trainer(args, recipe):
         from transformers import LlamaConfig, LlamaForCausalLM
 
         with torch.device("cuda"):
-            model = LlamaForCausalLM(LlamaConfig(**LLAMA_8B)).to(torch.bfloat16)
+            model = LlamaForCausalLM(LlamaConfig(**_model_config(args))).to(torch.bfloat16)
     if recipe.train_fp8:
         convert_model(model, recipe, backend=args.backend)
     return model.eval()
@@ -201,6 +263,9 @@ def _measure(args, mode, recipe, engine, vocab, shapes, result) -> None:
     result["engine_start_s"][mode] = engine.start_seconds
     print(f"[{mode}] engine start {engine.start_seconds:.1f} s ({engine.quantization})", flush=True)
     result["decode"][mode] = [_decode(engine, b, i, o, vocab, 0, args.repeats) for b, i, o in shapes]
+    if args.profile:
+        b, i, _ = shapes[-1]
+        result["profile"][mode] = _profile(engine, b, i, args.profile_tokens, vocab)
     if mode in args.sync_modes:
         trainer = _trainer(args, recipe)
         reports = [sync_weights(trainer, engine, recipe).to_dict() for _ in range(2)]
@@ -246,7 +311,7 @@ def _run_child(mode: str, tmp: Path, result: dict) -> None:
         result["errors"][mode] = f"child exited {proc.returncode}"
 
 
-_PER_MODE = ("decode", "engine_start_s", "sync", "unavailable", "errors", "logprob_mismatch")
+_PER_MODE = ("decode", "engine_start_s", "sync", "unavailable", "errors", "logprob_mismatch", "profile")
 
 
 def summarize(result: dict) -> dict:
@@ -294,13 +359,15 @@ def run(args, out: Path | None = None) -> dict:
     from jetrl.recipe import Recipe
     from jetrl.rollout.adapter import stock_block_fp8_unavailable_reason
 
-    shapes = [(8, 32, 32), (16, 32, 32)] if args.tiny else [(64, 256, 256), (256, 256, 512)]
+    shapes = args.shapes or ([(8, 32, 32), (16, 32, 32)] if args.tiny else [(64, 256, 256), (256, 256, 512)])
     result = {
         "benchmark": "rollout",
         "device": _device_name(),
         "versions": _versions(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "model": "tiny-qwen3 (jetrl.tiny)" if args.tiny else "Llama-3.1-8B shape, random weights",
+        "model": "tiny-qwen3 (jetrl.tiny)"
+        if args.tiny
+        else f"Llama-3.1-8B shape, {args.layers} of 32 decoder layers, random weights",
         "backend": args.backend,
         "enforce_eager": args.enforce_eager,
         "cudagraph_capture_sizes": None if args.enforce_eager else args.capture_sizes,
@@ -311,6 +378,7 @@ def run(args, out: Path | None = None) -> dict:
         "sync": {},
         "unavailable": {},
         "errors": {},
+        "profile": {},
     }
     with tempfile.TemporaryDirectory() as tmp:
         path, vocab = _model_dir(args, Path(tmp))
@@ -354,8 +422,25 @@ def _table(result: dict) -> str:
             )
     for name, m in result.get("logprob_mismatch", {}).items():
         lines.append(f"|dlogp| {name:18s} mean {m['mean_abs']:.5f} max {m['max_abs']:.5f} ({m['tokens']} tokens)")
+    for mode, pr in result.get("profile", {}).items():
+        head = ", ".join(f"{k['name'][:40]} {k['share']:.0%}" for k in pr["top_kernels"][:3])
+        lines.append(
+            f"profile {mode} (batch {pr['batch']}): {pr['wall_ms_per_step']:.2f} ms/step wall, "
+            f"{pr['gpu_busy_ms_per_step']:.2f} GPU-busy; top: {head}"
+        )
     lines.append("engine start s: " + ", ".join(f"{k} {v:.1f}" for k, v in result["engine_start_s"].items()))
     return "\n".join(lines)
+
+
+def _shapes(value: str) -> list[tuple[int, int, int]]:
+    """``"256:16:2048,64:256:256"`` -> ``[(256, 16, 2048), (64, 256, 256)]`` (argparse type: a bad item is named)."""
+    out = []
+    for item in value.split(","):
+        parts = item.split(":")
+        if len(parts) != 3 or not all(x.isdigit() and int(x) > 0 for x in parts):
+            raise argparse.ArgumentTypeError(f"{item!r} is not batch:input_len:output_len (positive integers)")
+        out.append(tuple(int(x) for x in parts))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -374,6 +459,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--repeats", type=int, default=3, help="timed decode runs per shape (median reported)")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--layers", type=int, default=32, help="decoder layers of the Llama-3.1-8B shape (GPU)")
+    p.add_argument(
+        "--shapes",
+        type=_shapes,
+        default=None,
+        help="decode shapes batch:input_len:output_len, comma-separated (default 64:256:256,256:256:512)",
+    )
+    p.add_argument("--profile", action="store_true", help="profile one generate per mode at the last shape (GPU)")
+    p.add_argument("--profile-tokens", type=int, default=64, help="output tokens of the profiled generate")
     p.add_argument(
         "--isolate",
         action=argparse.BooleanOptionalAction,
@@ -388,6 +482,12 @@ def main(argv: list[str] | None = None) -> int:
         "(recorded under merged_from)",
     )
     args = p.parse_args(argv)
+    if args.tiny and (args.profile or args.layers != 32):
+        p.error("--profile and --layers are for the GPU's Llama-3.1-8B shape, not --tiny")
+    if not 1 <= args.layers <= 32:
+        p.error(f"--layers {args.layers}: the Llama-3.1-8B shape has 1 to 32 decoder layers")
+    if args.profile_tokens < 1:
+        p.error(f"--profile-tokens {args.profile_tokens} must be >= 1")
     if args.backend is None:
         args.backend = "emulated" if args.tiny else "auto"
     if args.tiny:
@@ -398,8 +498,11 @@ def main(argv: list[str] | None = None) -> int:
         args.sync_modes = ["bf16", "jetrl_fp8", "naive_fp8"] if args.tiny else ["jetrl_fp8"]
     if args.isolate is None:
         args.isolate = not args.tiny and len(args.modes) > 1
+    need = max((i + o for _, i, o in args.shapes or []), default=0)
     if args.max_model_len is None:
-        args.max_model_len = 128 if args.tiny else 1024
+        args.max_model_len = max(128 if args.tiny else 1024, need)
+    elif args.max_model_len < need:
+        p.error(f"--max-model-len {args.max_model_len} is shorter than a --shapes prompt + output ({need} tokens)")
     out = Path(args.out or Path(__file__).parent / "results" / f"rollout-{'cpu' if args.tiny else 'gpu'}.json")
     result = run(args, out)
     if args.merge:

@@ -45,3 +45,30 @@ def test_merge_takes_only_modes_this_run_lacks(bench):
     assert mine["engine_start_s"] == {"bf16": 3.0, "stock_fp8": 190.0}
     assert mine["errors"] == {"stock_fp8": "boom"}  # an earlier failure is carried, not hidden
     assert bench.summarize(mine)["stock_fp8_over_bf16"] == {"64": 2.0}
+
+
+def test_profile_summary_per_step_and_top_kernels(bench):
+    kernels = [("gemm", 640, 6400.0), ("quant", 640, 1600.0), ("sampler", 64, 2000.0)]
+    s = bench.profile_summary(kernels, wall_s=1.28, steps=64, top=2)
+    assert s["wall_ms_per_step"] == 20.0 and s["gpu_busy_ms_per_step"] == 10000.0 / 1e3 / 64
+    assert [k["name"] for k in s["top_kernels"]] == ["gemm", "sampler"]  # by GPU time, cut to `top`
+    assert s["top_kernels"][0] == {"name": "gemm", "calls_per_step": 10.0, "gpu_us_per_step": 100.0, "share": 0.64}
+    with pytest.raises(ValueError, match="no GPU kernel time was recorded"):
+        bench.profile_summary([], wall_s=1.0, steps=4)
+
+
+def test_shapes_layers_and_profile_options(bench, monkeypatch, capsys):
+    assert bench._shapes("256:16:2048,64:256:256") == [(256, 16, 2048), (64, 256, 256)]
+    with pytest.raises(bench.argparse.ArgumentTypeError, match="'256:16' is not batch:input_len:output_len"):
+        bench._shapes("256:16")
+    assert bench._model_config(bench.argparse.Namespace(layers=8))["num_hidden_layers"] == 8
+    assert bench.LLAMA_8B["num_hidden_layers"] == 32  # the published shape is not changed by --layers
+    monkeypatch.setattr(bench, "run", lambda args, out: pytest.fail("bad options must fail before any run"))
+    for argv, msg in (
+        (["--tiny", "--profile"], "not --tiny"),
+        (["--layers", "33"], "1 to 32 decoder layers"),
+        (["--shapes", "256:16:2048", "--max-model-len", "1024"], "shorter than a --shapes prompt"),
+    ):
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+        assert msg in capsys.readouterr().err
