@@ -19,8 +19,8 @@ stock vLLM 0.26 BF16 8.5k / 16.3k tok/s, block-FP8 10.8k / 19.6k at batch 64 / 2
 (e.g. ``--layers 8 --shapes 256:16:2048``: the rollout of ``bench_e2e.py --shape llama3.1-8b --layers 8
 --max-tokens 2048``). ``--profile`` then runs one more generate at the last shape (``--profile-tokens``
 output tokens) under torch.profiler and keeps per mode the wall and GPU-busy milliseconds per output token
-step (its prefill included) and the kernels with the most GPU time: where a decode step's time goes (GPU kernels, or the host
-between them), measured.
+step (its prefill included) and the kernels with the most GPU time: where a decode step's time goes (GPU
+kernels, or the host between them), measured.
 
 CPU (``--tiny``): the same flow on the tiny Qwen3 (`jetrl.tiny`) with the emulated GEMM backend, plus
 the log-prob mismatch per recipe; stock FP8 is reported as unavailable (vLLM's CPU block-FP8 path needs
