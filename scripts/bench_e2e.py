@@ -136,7 +136,7 @@ def run_one(args) -> dict:
     tr = Trainer(cfg, overwrite=True, log=lambda *a: print(*a, file=sys.stderr))
     try:
         tr.setup()
-        quant = tr.engine.quantization
+        quant, engine_start = tr.engine.quantization, tr.engine.start_seconds
         rows = []
         for s in range(1, cfg.run.steps + 1):
             rows.append(tr.step(s))
@@ -152,6 +152,8 @@ def run_one(args) -> dict:
         "numerics": args.numerics,
         "engine_quantization": quant,
         "setup_s": tr.setup_s,
+        "engine_start_s": engine_start,  # parts of setup_s, as is the training graphs' capture
+        "graph_capture_s": tr.graph_capture_s,
         "converted_linears": len(tr.conversion.converted_names()),
         "steps": [{k: r[k] for k in keep} for r in rows],
     }

@@ -156,6 +156,8 @@ class Trainer:
         self.engine = None
         self.graphed = None
         """`jetrl.train.graphs.GraphedLogprobs` with ``algo.cuda_graphs`` (after set-up), else None."""
+        self.graph_capture_s: float | None = None
+        """Seconds `setup` spent capturing the training CUDA graphs (None without ``algo.cuda_graphs``)."""
         self.state: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ set-up
@@ -287,8 +289,8 @@ class Trainer:
         self.graphed.capture_all()
         self.opt.zero_grad()  # the captures' warm-up iterations accumulated gradients
         shapes = ", ".join(f"{r}x{w}" for r, w in self.graphed.buckets)
-        n, took = len(self.graphed.buckets), time.perf_counter() - t0
-        self.log(f"cuda graphs: {n} buckets ({shapes}) captured in {took:.1f}s")
+        n, self.graph_capture_s = len(self.graphed.buckets), time.perf_counter() - t0
+        self.log(f"cuda graphs: {n} buckets ({shapes}) captured in {self.graph_capture_s:.1f}s")
 
     def _check_numerics_path(self) -> None:
         """``model.numerics: vllm-cpu``: say which vLLM CPU kernels the trainer matches, and say loudly when

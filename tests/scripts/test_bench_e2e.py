@@ -146,3 +146,34 @@ def test_merge_reads_older_results_without_the_later_options(bench, tmp_path):
     assert set(bench.merge([a, b])["runs"]) == {"bf16", "jetrl-unified"}
     with pytest.raises(SystemExit, match="config engine_ops='hf', not 'vllm'"):
         bench.merge([a, c])
+
+
+def test_a_run_records_its_set_up_split(bench, monkeypatch, tmp_path):
+    """run_one keeps what the trainer measured: set-up, the engine's start and the training graphs' capture
+    (parts of it), every step's phases; a stand-in Trainer here, the real one on the GPU."""
+    import jetrl.train.trainer as trainer
+
+    row = dict.fromkeys((*bench.TIMES, "time/step_s", "sync/bytes", "response/length_mean"), 1.0)
+
+    class FakeTrainer:
+        def __init__(self, cfg, overwrite, log):
+            self.steps = cfg.run.steps
+
+        def setup(self):
+            self.engine = type("E", (), {"quantization": "jetrl_fp8", "start_seconds": 12.5})()
+            self.setup_s, self.graph_capture_s = 30.0, 7.5
+            self.conversion = type("C", (), {"converted_names": lambda self: ["a", "b"]})()
+
+        def step(self, s):
+            return {**row, "time/step_s": float(s)}
+
+        def close(self):
+            self.engine = None
+
+    monkeypatch.setattr(trainer, "Trainer", FakeTrainer)
+    args = bench.parse_args(["--tiny", "--steps", "2"])
+    args.one, args.model_path, args.run_dir = "jetrl-unified", str(tmp_path / "m"), str(tmp_path / "r")
+    out = bench.run_one(args)
+    assert (out["setup_s"], out["engine_start_s"], out["graph_capture_s"]) == (30.0, 12.5, 7.5)
+    assert out["engine_quantization"] == "jetrl_fp8" and out["converted_linears"] == 2
+    assert [r["time/step_s"] for r in out["steps"]] == [1.0, 2.0, 3.0]  # the warm-up step too
