@@ -24,13 +24,15 @@ and copy of a real step is executed.
     python scripts/bench_e2e.py [--tiny | --shape llama3.1-8b --layers 8] [--prompts 32 --samples 8
                                 --max-tokens 512] [--steps 3] [--micro-batch-tokens N] [--fuse] [--cuda-graphs]
                                 [--train-cuda-graphs] [--recipes jetrl-unified,bf16] [--commit SHA]
-                                [--engine-ops hf --numerics hf,strict] [--out DIR]
+                                [--engine-ops hf --numerics hf,strict] [--profile-rollout] [--out DIR]
     python scripts/bench_e2e.py --merge A.json B.json [--out DIR] [--note TEXT]
 
 The step is split into rollout / old log-probs (the no-grad pass over the batch, ref included) / update /
 sync (the trainer's ``time/*`` of each step). ``--numerics hf,strict`` times each recipe with the default
 and with the strict numerics (``model.numerics=strict``, runs keyed ``<recipe>-strict``, written to
-``e2e-[...-]strict-<device>.json``) and reports the strict / hf ratio of each phase.
+``e2e-[...-]strict-<device>.json``) and reports the strict / hf ratio of each phase. ``--profile-rollout``
+adds, per run, the engine alone in the trainer's process after the timed steps (`rollout_probe`: a step's
+generate timed, one of ``--profile-tokens`` tokens profiled as ``bench_rollout.py --profile`` does).
 
 Writes ``e2e-<device>.json`` (device name, torch/triton/vllm versions, date, the config, every step's
 times and the medians) to ``--out`` (default scripts/results/) and prints a table; each run's output goes
@@ -54,6 +56,7 @@ import tempfile
 from pathlib import Path
 
 import benchmeta
+from profiling import profile_cuda
 from shape_model import SHAPES, shape_config, write_shape_model
 
 RECIPES = ("jetrl-unified", "bf16")
@@ -144,6 +147,7 @@ def run_one(args) -> dict:
             print(
                 f"bench_e2e {args.one} step {s}{' (warm-up)' if s == 1 else ''}: {times}", file=sys.stderr, flush=True
             )
+        probe = rollout_probe(tr, args.profile_tokens) if args.profile_rollout else None
     finally:
         tr.close()
     keep = (*TIMES, "time/step_s", "sync/bytes", "response/length_mean")
@@ -156,7 +160,39 @@ def run_one(args) -> dict:
         "graph_capture_s": tr.graph_capture_s,
         "converted_linears": len(tr.conversion.converted_names()),
         "steps": [{k: r[k] for k in keep} for r in rows],
+        **({"rollout_probe": probe} if probe is not None else {}),
     }
+
+
+def rollout_probe(tr, profile_tokens: int) -> dict:
+    """The rollout engine alone, in the trainer's process after its timed steps: one generate of a step's shape
+    timed (a step's rollout phase less its scoring and filtering), then `profiling.profile_cuda` of one of
+    `profile_tokens` output tokens (wall vs GPU-busy ms per decode step, top kernels). Compared with
+    ``bench_rollout.py --profile`` of the same shape, it tells whether the engine runs slower beside a trainer."""
+    import time
+
+    from jetrl.tasks.arithmetic import Stream
+
+    r = tr.cfg.rollout
+    prompts = [tr.tokens.encode_problem(p) for p in tr.task.problems(Stream.RL, 0, r.prompts_per_step)]
+
+    def generate(max_tokens: int):
+        return tr.engine.generate(
+            prompts,
+            n=r.samples_per_prompt,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            max_tokens=max_tokens,
+            seed=0,
+            ignore_eos=r.ignore_eos,
+        )
+
+    t0 = time.perf_counter()
+    samples = generate(r.max_tokens)
+    generate_s = time.perf_counter() - t0
+    tokens = sum(len(s.response_ids) for s in samples)
+    profile = profile_cuda(lambda: generate(profile_tokens), steps=profile_tokens)
+    return {"generate_s": generate_s, "tokens": tokens, "tok_s": tokens / generate_s, "profile": profile}
 
 
 def _median(rows: list[dict], key: str) -> float:
@@ -227,6 +263,13 @@ def parse_args(argv: list[str] | None):
         action="store_true",
         help="the update pass's micro-batches on CUDA graphs (algo.cuda_graphs, both recipes)",
     )
+    p.add_argument(
+        "--profile-rollout",
+        action="store_true",
+        help="after the timed steps, time one generate of a step's shape and profile one of --profile-tokens "
+        "tokens, in the trainer's process (recorded per run as rollout_probe; CUDA)",
+    )
+    p.add_argument("--profile-tokens", type=int, default=64, help="output tokens of --profile-rollout's profile")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--recipes",
@@ -260,6 +303,10 @@ def parse_args(argv: list[str] | None):
         p.error(f"--numerics {args.numerics}: one or more of {','.join(NUMERICS)}, each once")
     if "strict" in numerics and args.engine_ops == "vllm":
         p.error("--numerics strict needs the trainer's ops in the engine: --engine-ops hf (or fused with --fuse)")
+    if args.profile_rollout and args.tiny:
+        p.error("--profile-rollout profiles CUDA kernels: not with --tiny")
+    if args.profile_tokens < 1:
+        p.error(f"--profile-tokens {args.profile_tokens} must be >= 1")
     args.prompts = args.prompts or (16 if args.tiny else 32)
     args.max_tokens = args.max_tokens or (16 if args.tiny else 512)
     args.micro_batch_size = args.micro_batch_size or (64 if args.tiny else 8)
@@ -316,6 +363,13 @@ def print_table(out: dict) -> None:
         print(f"{'unified/bf16':<22}" + "".join(f"{out['unified_over_bf16'][k]:>12.2f}" for k in keys))
     for r, ratio in out.get("strict_over_hf", {}).items():
         print(f"{r + ' strict/hf':<22}" + "".join(f"{ratio[k]:>12.2f}" for k in keys))
+    for r, run in out["runs"].items():
+        if (pr := run.get("rollout_probe")) is not None:
+            p = pr["profile"]
+            print(
+                f"{r} rollout probe: generate {pr['generate_s']:.2f} s ({pr['tok_s']:.0f} tok/s); "
+                f"{p['wall_ms_per_step']:.2f} ms/step wall, {p['gpu_busy_ms_per_step']:.2f} GPU-busy"
+            )
 
 
 def merge(paths: list[Path]) -> dict:

@@ -44,6 +44,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from profiling import profile_cuda
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
@@ -159,53 +161,16 @@ def _model_dir(args, tmp: Path) -> tuple[Path, int]:
     return d, LLAMA_8B["vocab_size"]
 
 
-def profile_summary(kernels: list[tuple[str, int, float]], *, wall_s: float, steps: int, top: int = 15) -> dict:
-    """Where a decode step's time goes, from ``(kernel name, calls, GPU microseconds)`` of a profiled generate of
-    `steps` output tokens that took `wall_s`: wall and GPU-busy ms per step (their gap is host time the GPU
-    waited through, when kernels do not overlap) and the `top` kernels by GPU time, with their share."""
-    if steps < 1 or wall_s <= 0:
-        raise ValueError(f"profile_summary: steps={steps}, wall_s={wall_s} must be positive")
-    busy_us = sum(us for _, _, us in kernels)
-    if busy_us <= 0:
-        raise ValueError("profile_summary: no GPU kernel time was recorded (CUDA activity profiling unavailable?)")
-    rows = sorted(kernels, key=lambda k: -k[2])[:top]
-    return {
-        "steps": steps,
-        "wall_ms_per_step": wall_s * 1e3 / steps,
-        "gpu_busy_ms_per_step": busy_us / 1e3 / steps,
-        "top_kernels": [
-            {
-                "name": n,
-                "calls_per_step": c / steps,
-                "gpu_us_per_step": us / steps,
-                "share": us / busy_us,
-            }
-            for n, c, us in rows
-        ],
-    }
-
-
 def _profile(engine, batch: int, in_len: int, tokens: int, vocab: int) -> dict:
-    """One generate of `batch` prompts x `tokens` output tokens under torch.profiler (CUDA kernels, graph
-    replays included), after a warm-up at the same shape."""
+    """`profiling.profile_cuda` of one generate of `batch` prompts x `tokens` output tokens, after a warm-up
+    at the same shape."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(3, vocab, (batch, in_len), generator=g).tolist()
     engine.generate(prompts, max_tokens=tokens, seed=1, ignore_eos=True)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        engine.generate(prompts, max_tokens=tokens, seed=1, ignore_eos=True)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-    kernels = [
-        (e.key, e.count, e.self_device_time_total)
-        for e in prof.key_averages()
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0
-    ]
-    return {"batch": batch, "input_len": in_len, **profile_summary(kernels, wall_s=wall, steps=tokens)}
+    summary = profile_cuda(lambda: engine.generate(prompts, max_tokens=tokens, seed=1, ignore_eos=True), steps=tokens)
+    return {"batch": batch, "input_len": in_len, **summary}
 
 
 def _trainer(args, recipe):

@@ -177,3 +177,42 @@ def test_a_run_records_its_set_up_split(bench, monkeypatch, tmp_path):
     assert (out["setup_s"], out["engine_start_s"], out["graph_capture_s"]) == (30.0, 12.5, 7.5)
     assert out["engine_quantization"] == "jetrl_fp8" and out["converted_linears"] == 2
     assert [r["time/step_s"] for r in out["steps"]] == [1.0, 2.0, 3.0]  # the warm-up step too
+    assert "rollout_probe" not in out  # only with --profile-rollout
+
+
+def test_rollout_probe_times_a_steps_shape_then_profiles_a_short_one(bench, monkeypatch):
+    """--profile-rollout: the engine alone in the trainer's process, one generate of the step's prompts x samples x
+    max_tokens timed, then a profiled one of --profile-tokens tokens (profile_cuda stood in: it needs CUDA)."""
+    from types import SimpleNamespace
+
+    from jetrl.train.config import config_from_dict
+
+    calls = []
+
+    class Engine:
+        def generate(self, prompts, **kw):
+            calls.append({"prompts": len(prompts), **kw})
+            ids = [7] * kw["max_tokens"]
+            return [SimpleNamespace(response_ids=ids) for _ in range(len(prompts) * kw["n"])]
+
+    args = bench.parse_args(["--prompts", "4", "--samples", "3", "--max-tokens", "40", "--profile-rollout"])
+    cfg = config_from_dict(bench._config(args, "bf16", "/m", "/r"))
+    tr = SimpleNamespace(
+        cfg=cfg,
+        engine=Engine(),
+        tokens=SimpleNamespace(encode_problem=lambda p: [1, 2]),
+        task=SimpleNamespace(problems=lambda stream, step, n: [f"p{i}" for i in range(n)]),
+    )
+    monkeypatch.setattr(bench, "profile_cuda", lambda fn, steps: (fn(), {"steps": steps})[1])
+    probe = bench.rollout_probe(tr, 16)
+    assert [(c["prompts"], c["n"], c["max_tokens"]) for c in calls] == [(4, 3, 40), (4, 3, 16)]
+    assert all(c["ignore_eos"] and c["temperature"] == 1.0 for c in calls)
+    assert probe["tokens"] == 4 * 3 * 40 and probe["tok_s"] == probe["tokens"] / probe["generate_s"]
+    assert probe["profile"] == {"steps": 16}
+
+
+def test_profile_rollout_needs_a_gpu_run(bench, capsys):
+    for argv, msg in ((["--tiny", "--profile-rollout"], "not with --tiny"), (["--profile-tokens", "0"], ">= 1")):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+        assert msg in capsys.readouterr().err

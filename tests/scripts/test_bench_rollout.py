@@ -47,16 +47,6 @@ def test_merge_takes_only_modes_this_run_lacks(bench):
     assert bench.summarize(mine)["stock_fp8_over_bf16"] == {"64": 2.0}
 
 
-def test_profile_summary_per_step_and_top_kernels(bench):
-    kernels = [("gemm", 640, 6400.0), ("quant", 640, 1600.0), ("sampler", 64, 2000.0)]
-    s = bench.profile_summary(kernels, wall_s=1.28, steps=64, top=2)
-    assert s["wall_ms_per_step"] == 20.0 and s["gpu_busy_ms_per_step"] == 10000.0 / 1e3 / 64
-    assert [k["name"] for k in s["top_kernels"]] == ["gemm", "sampler"]  # by GPU time, cut to `top`
-    assert s["top_kernels"][0] == {"name": "gemm", "calls_per_step": 10.0, "gpu_us_per_step": 100.0, "share": 0.64}
-    with pytest.raises(ValueError, match="no GPU kernel time was recorded"):
-        bench.profile_summary([], wall_s=1.0, steps=4)
-
-
 def test_shapes_layers_and_profile_options(bench, monkeypatch, capsys):
     assert bench._shapes("256:16:2048,64:256:256") == [(256, 16, 2048), (64, 256, 256)]
     with pytest.raises(bench.argparse.ArgumentTypeError, match="'256:16' is not batch:input_len:output_len"):
