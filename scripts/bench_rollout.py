@@ -34,16 +34,15 @@ Intel AMX). Writes scripts/results/rollout-<cpu|gpu>.json and prints a table.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import benchmeta
 from profiling import profile_cuda
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -93,32 +92,6 @@ ENGINE_OPS = {"bf16_hf_ops": "hf", "jetrl_fp8_hf_ops": "hf", "jetrl_fp8_fused_op
 """Modes on `jetrl.rollout.vllm_model`'s trainer-matched model (the cost of the trainer's ops in the engine);
 the others run vLLM's own model."""
 DEFAULT_MODES = {"cpu": ["bf16", "jetrl_fp8", "naive_fp8", "stock_fp8"], "gpu": ["bf16", "jetrl_fp8", "stock_fp8"]}
-
-
-def _versions() -> dict:
-    import torch
-
-    out = {"python": platform.python_version(), "torch": torch.__version__}
-    for mod in ("vllm", "triton", "transformers"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except Exception as e:  # recorded in the JSON, not hidden
-            out[mod] = f"unavailable: {type(e).__name__}"
-    return out
-
-
-def _device_name() -> str:
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"CPU: {line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
-    except OSError:
-        pass
-    return f"CPU ({platform.processor()})"
 
 
 def _decode(engine, batch: int, in_len: int, out_len: int, vocab: int, seed: int, repeats: int) -> dict:
@@ -327,9 +300,7 @@ def run(args, out: Path | None = None) -> dict:
     shapes = args.shapes or ([(8, 32, 32), (16, 32, 32)] if args.tiny else [(64, 256, 256), (256, 256, 512)])
     result = {
         "benchmark": "rollout",
-        "device": _device_name(),
-        "versions": _versions(),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        **benchmeta.meta(args.commit),
         "model": "tiny-qwen3 (jetrl.tiny)"
         if args.tiny
         else f"Llama-3.1-8B shape, {args.layers} of 32 decoder layers, random weights",
@@ -439,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="run every mode in this process (default on CPU; on a GPU each mode gets its own process)",
     )
+    p.add_argument("--commit", help="the checkout's commit, recorded (the device machine has no git)")
     p.add_argument("--out", default=None, help="JSON path (default scripts/results/rollout-<cpu|gpu>.json)")
     p.add_argument(
         "--merge",
