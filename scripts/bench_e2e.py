@@ -24,7 +24,8 @@ and copy of a real step is executed.
     python scripts/bench_e2e.py [--tiny | --shape llama3.1-8b --layers 8] [--prompts 32 --samples 8
                                 --max-tokens 512] [--steps 3] [--micro-batch-tokens N] [--fuse] [--cuda-graphs]
                                 [--train-cuda-graphs] [--recipes jetrl-unified,bf16] [--commit SHA]
-                                [--engine-ops hf --numerics hf,strict] [--profile-rollout] [--out DIR]
+                                [--engine-ops hf --numerics hf,strict] [--profile-rollout] [--profile-train]
+                                [--out DIR]
     python scripts/bench_e2e.py --merge A.json B.json [--out DIR] [--note TEXT]
 
 The step is split into rollout / old log-probs (the no-grad pass over the batch, ref included) / update /
@@ -32,7 +33,8 @@ sync (the trainer's ``time/*`` of each step). ``--numerics hf,strict`` times eac
 and with the strict numerics (``model.numerics=strict``, runs keyed ``<recipe>-strict``, written to
 ``e2e-[...-]strict-<device>.json``) and reports the strict / hf ratio of each phase. ``--profile-rollout``
 adds, per run, the engine alone in the trainer's process after the timed steps (`rollout_probe`: a step's
-generate timed, one of ``--profile-tokens`` tokens profiled as ``bench_rollout.py --profile`` does).
+generate timed, one of ``--profile-tokens`` tokens profiled as ``bench_rollout.py --profile`` does);
+``--profile-train`` one more training phase profiled (`train_profile`: wall vs GPU-busy, the top kernels).
 
 Writes ``e2e-<device>.json`` (device name, torch/triton/vllm versions, date, the config, every step's
 times and the medians) to ``--out`` (default scripts/results/) and prints a table; each run's output goes
@@ -148,6 +150,7 @@ def run_one(args) -> dict:
                 f"bench_e2e {args.one} step {s}{' (warm-up)' if s == 1 else ''}: {times}", file=sys.stderr, flush=True
             )
         probe = rollout_probe(tr, args.profile_tokens) if args.profile_rollout else None
+        train_prof = train_profile(tr, cfg.run.steps + 1) if args.profile_train else None
     finally:
         tr.close()
     keep = (*TIMES, "time/step_s", "sync/bytes", "response/length_mean")
@@ -161,7 +164,17 @@ def run_one(args) -> dict:
         "converted_linears": len(tr.conversion.converted_names()),
         "steps": [{k: r[k] for k in keep} for r in rows],
         **({"rollout_probe": probe} if probe is not None else {}),
+        **({"train_profile": train_prof} if train_prof is not None else {}),
     }
+
+
+def train_profile(tr, step: int) -> dict:
+    """One more training phase (old log-probs + update, on a fresh rollout of step `step`), after the timed
+    steps, as `profiling.profile_cuda` with the 25 kernels of most GPU time: wall vs GPU-busy seconds of the
+    phase (``*_ms_per_step`` with one step) and what the GPU spends them on (GEMMs, quantization, lm_head,
+    log-softmax, attention, optimizer)."""
+    ro, _, n_groups = tr._rollout(step)
+    return profile_cuda(lambda: tr._train(step, ro, n_groups), steps=1, top=25)
 
 
 def rollout_probe(tr, profile_tokens: int) -> dict:
@@ -270,6 +283,11 @@ def parse_args(argv: list[str] | None):
         "tokens, in the trainer's process (recorded per run as rollout_probe; CUDA)",
     )
     p.add_argument("--profile-tokens", type=int, default=64, help="output tokens of --profile-rollout's profile")
+    p.add_argument(
+        "--profile-train",
+        action="store_true",
+        help="after the timed steps, profile one more training phase (recorded per run as train_profile; CUDA)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--recipes",
@@ -303,8 +321,9 @@ def parse_args(argv: list[str] | None):
         p.error(f"--numerics {args.numerics}: one or more of {','.join(NUMERICS)}, each once")
     if "strict" in numerics and args.engine_ops == "vllm":
         p.error("--numerics strict needs the trainer's ops in the engine: --engine-ops hf (or fused with --fuse)")
-    if args.profile_rollout and args.tiny:
-        p.error("--profile-rollout profiles CUDA kernels: not with --tiny")
+    for flag in ("profile_rollout", "profile_train"):
+        if getattr(args, flag) and args.tiny:
+            p.error(f"--{flag.replace('_', '-')} profiles CUDA kernels: not with --tiny")
     if args.profile_tokens < 1:
         p.error(f"--profile-tokens {args.profile_tokens} must be >= 1")
     args.prompts = args.prompts or (16 if args.tiny else 32)
@@ -369,6 +388,12 @@ def print_table(out: dict) -> None:
             print(
                 f"{r} rollout probe: generate {pr['generate_s']:.2f} s ({pr['tok_s']:.0f} tok/s); "
                 f"{p['wall_ms_per_step']:.2f} ms/step wall, {p['gpu_busy_ms_per_step']:.2f} GPU-busy"
+            )
+        if (tp := run.get("train_profile")) is not None:
+            head = ", ".join(f"{k['name'][:40]} {k['share']:.0%}" for k in tp["top_kernels"][:4])
+            print(
+                f"{r} train profile: {tp['wall_ms_per_step'] / 1e3:.2f} s wall, "
+                f"{tp['gpu_busy_ms_per_step'] / 1e3:.2f} s GPU-busy; top: {head}"
             )
 
 

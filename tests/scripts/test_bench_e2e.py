@@ -177,7 +177,7 @@ def test_a_run_records_its_set_up_split(bench, monkeypatch, tmp_path):
     assert (out["setup_s"], out["engine_start_s"], out["graph_capture_s"]) == (30.0, 12.5, 7.5)
     assert out["engine_quantization"] == "jetrl_fp8" and out["converted_linears"] == 2
     assert [r["time/step_s"] for r in out["steps"]] == [1.0, 2.0, 3.0]  # the warm-up step too
-    assert "rollout_probe" not in out  # only with --profile-rollout
+    assert "rollout_probe" not in out and "train_profile" not in out  # only with --profile-rollout / -train
 
 
 def test_rollout_probe_times_a_steps_shape_then_profiles_a_short_one(bench, monkeypatch):
@@ -211,8 +211,26 @@ def test_rollout_probe_times_a_steps_shape_then_profiles_a_short_one(bench, monk
     assert probe["profile"] == {"steps": 16}
 
 
-def test_profile_rollout_needs_a_gpu_run(bench, capsys):
-    for argv, msg in ((["--tiny", "--profile-rollout"], "not with --tiny"), (["--profile-tokens", "0"], ">= 1")):
+def test_train_profile_profiles_one_more_training_phase(bench, monkeypatch):
+    """--profile-train: a fresh rollout, then its training phase (old log-probs + update) profiled as one step."""
+    from types import SimpleNamespace
+
+    seen = []
+    tr = SimpleNamespace(
+        _rollout=lambda step: (("rollout", step), {}, 3),
+        _train=lambda step, ro, n: seen.append((step, ro, n)),
+    )
+    monkeypatch.setattr(bench, "profile_cuda", lambda fn, steps, top: (fn(), {"steps": steps, "top": top})[1])
+    assert bench.train_profile(tr, 5) == {"steps": 1, "top": 25}
+    assert seen == [(5, ("rollout", 5), 3)]
+
+
+def test_profiling_needs_a_gpu_run(bench, capsys):
+    for argv, msg in (
+        (["--tiny", "--profile-rollout"], "--profile-rollout profiles CUDA kernels: not with --tiny"),
+        (["--tiny", "--profile-train"], "--profile-train profiles CUDA kernels: not with --tiny"),
+        (["--profile-tokens", "0"], ">= 1"),
+    ):
         with pytest.raises(SystemExit):
             bench.parse_args(argv)
         assert msg in capsys.readouterr().err
