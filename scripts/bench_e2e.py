@@ -149,6 +149,7 @@ def run_one(args) -> dict:
             print(
                 f"bench_e2e {args.one} step {s}{' (warm-up)' if s == 1 else ''}: {times}", file=sys.stderr, flush=True
             )
+        memory = gpu_memory()
         probe = rollout_probe(tr, args.profile_tokens) if args.profile_rollout else None
         train_prof = train_profile(tr, cfg.run.steps + 1) if args.profile_train else None
     finally:
@@ -163,6 +164,7 @@ def run_one(args) -> dict:
         "graph_capture_s": tr.graph_capture_s,
         "converted_linears": len(tr.conversion.converted_names()),
         "steps": [{k: r[k] for k in keep} for r in rows],
+        "gpu_memory": memory,
         **({"rollout_probe": probe} if probe is not None else {}),
         **({"train_profile": train_prof} if train_prof is not None else {}),
     }
@@ -175,6 +177,22 @@ def train_profile(tr, step: int) -> dict:
     log-softmax, attention, optimizer)."""
     ro, _, n_groups = tr._rollout(step)
     return profile_cuda(lambda: tr._train(step, ro, n_groups), steps=1, top=25)
+
+
+def gpu_memory() -> dict | None:
+    """The device's memory after the timed steps, GiB: the torch allocator's peak reservation in this process
+    (trainer, training graphs and the in-process vLLM engine with its KV cache) and what the device has free
+    (the headroom for more decoder layers of an 8B-class shape); None off CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return {
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+        "free_gib": free / 2**30,
+        "total_gib": total / 2**30,
+    }
 
 
 def rollout_probe(tr, profile_tokens: int) -> dict:
@@ -383,6 +401,11 @@ def print_table(out: dict) -> None:
     for r, ratio in out.get("strict_over_hf", {}).items():
         print(f"{r + ' strict/hf':<22}" + "".join(f"{ratio[k]:>12.2f}" for k in keys))
     for r, run in out["runs"].items():
+        if (m := run.get("gpu_memory")) is not None:
+            print(
+                f"{r} GPU memory: peak reserved {m['peak_reserved_gib']:.1f} GiB, "
+                f"free {m['free_gib']:.1f} of {m['total_gib']:.1f}"
+            )
         if (pr := run.get("rollout_probe")) is not None:
             p = pr["profile"]
             print(

@@ -177,6 +177,7 @@ def test_a_run_records_its_set_up_split(bench, monkeypatch, tmp_path):
     assert (out["setup_s"], out["engine_start_s"], out["graph_capture_s"]) == (30.0, 12.5, 7.5)
     assert out["engine_quantization"] == "jetrl_fp8" and out["converted_linears"] == 2
     assert [r["time/step_s"] for r in out["steps"]] == [1.0, 2.0, 3.0]  # the warm-up step too
+    assert out["gpu_memory"] is None  # no CUDA here
     assert "rollout_probe" not in out and "train_profile" not in out  # only with --profile-rollout / -train
 
 
