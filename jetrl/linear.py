@@ -119,20 +119,22 @@ def quantized_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 class _FP8LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, grad_weight, bias, module, pre):
+    def forward(ctx, x, grad_weight, bias, module, pre, grad_mode):
         be = module.backend
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
         xname = f"{module.layer_name}:input"
         ctx.fp8_saved = module.recipe.save_activations_fp8
-        wgrad = ctx.needs_input_grad[1]
+        # needs_input_grad follows requires_grad even without grad mode, where no backward can follow (the
+        # old-log-prob and ref passes): nothing is made for one then
+        wgrad = grad_mode and ctx.needs_input_grad[1]
         xq, xs = pre if pre is not None else quantize_1x128(x2, scale_layout=be.scale_layout, name=xname)
         saved: tuple = ()
         if wgrad and not ctx.fp8_saved:
             saved = (x2,)
         elif wgrad:  # the wgrad operand (X^T quantized along tokens) is saved instead of X
             saved = _wgrad_operand_of(x, x2, xname) if pre is not None else transpose_quantize(x2, name=xname)
-        wq, ws, wq_t, ws_t = module._fp8_operands(with_transpose=ctx.needs_input_grad[0])
+        wq, ws, wq_t, ws_t = module._fp8_operands(with_transpose=grad_mode and ctx.needs_input_grad[0])
         y = fprop(xq, xs, wq, ws, bias, backend=be, out_dtype=x.dtype, name=xname)
         ctx.module = module
         ctx.grad_weight = grad_weight
@@ -178,7 +180,7 @@ class _FP8LinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             db = dy2.float().sum(0).to(ctx.bias_dtype)
         ctx.w_t = None
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
 def _wgrad_operand_of(x: torch.Tensor, x2: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -324,7 +326,7 @@ class JetFP8Linear(nn.Linear):
             raise ValueError(f"{self.layer_name}: input is on {x.device} but the weight is on {self.weight.device}")
         pre = quantized_of(x)
         grad_weight = self._master if self._master is not None else self.weight
-        return _FP8LinearFn.apply(x, grad_weight, self.bias, self, pre)
+        return _FP8LinearFn.apply(x, grad_weight, self.bias, self, pre, torch.is_grad_enabled())
 
     def extra_repr(self) -> str:
         return (

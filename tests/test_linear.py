@@ -255,11 +255,24 @@ def test_fp8_saved_wgrad_is_the_spec_operand():
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 
-def test_no_grad_forward_saves_and_transposes_nothing():
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_no_grad_forward_saves_and_transposes_nothing(mode, monkeypatch):
+    """Without grad mode (the old-log-prob and ref passes) no backward can follow: neither the transposed
+    weight nor the wgrad operand (X^T quantized along tokens) is made, although the weight requires grad;
+    the output is the grad-mode forward's, bit for bit."""
+    import jetrl.linear as lin
+
+    made = []
+    real = lin.transpose_quantize
+    monkeypatch.setattr(lin, "transpose_quantize", lambda x, **kw: made.append(kw["name"]) or real(x, **kw))
     layer = _layer(256, 128)
-    with torch.no_grad():
-        layer(torch.randn(4, 256, dtype=torch.bfloat16))
-    assert layer._cache[3] is None  # no transposed weight bytes when no backward can follow
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    with getattr(torch, mode)():
+        y = layer(x)
+    assert made == [] and layer._cache[3] is None
+    y_grad = layer(x)
+    assert made == [f"{layer.layer_name}:input"]  # with grad mode the wgrad operand is made (and saved)
+    assert torch.equal(y, y_grad)
 
 
 def test_errors_name_the_layer():
