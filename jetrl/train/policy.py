@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .algo import entropy_from_logits, token_logprobs
+from .algo import entropy_from_logits, token_logprobs, token_logprobs_and_entropy
 
 __all__ = ["TokenBatch", "make_batch", "micro_batches", "forward_logprobs", "MixedPrecisionAdamW"]
 
@@ -143,9 +143,11 @@ def forward_logprobs(
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits[:, :-1]
     if temperature != 1.0:
         logits = logits.float() / temperature
-    logp = getattr(model, "_jetrl_token_logprobs", token_logprobs)(logits, batch.targets)
-    ent = entropy_from_logits(logits) if with_entropy else None
-    return logp, ent
+    strict = getattr(model, "_jetrl_token_logprobs", None)
+    if with_entropy and strict is None:
+        return token_logprobs_and_entropy(logits, batch.targets)
+    logp = (strict or token_logprobs)(logits, batch.targets)
+    return logp, entropy_from_logits(logits) if with_entropy else None
 
 
 class MixedPrecisionAdamW:

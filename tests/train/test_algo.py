@@ -52,6 +52,15 @@ def test_token_logprobs_and_entropy():
     torch.testing.assert_close(ent, torch.tensor([math.log(4.0), want1]))
 
 
+def test_token_logprobs_and_entropy_share_one_log_softmax_bit_for_bit():
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 7, 1000, generator=g) * 4).to(torch.bfloat16)
+    targets = torch.randint(0, 1000, (3, 7), generator=g)
+    lp, ent = algo.token_logprobs_and_entropy(logits, targets)
+    assert torch.equal(lp, algo.token_logprobs(logits, targets))
+    assert torch.equal(ent, algo.entropy_from_logits(logits))
+
+
 def test_aggregate_loss_modes():
     loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
