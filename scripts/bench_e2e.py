@@ -37,11 +37,11 @@ generate timed, one of ``--profile-tokens`` tokens profiled as ``bench_rollout.p
 ``--profile-train`` one more training phase profiled (`train_profile`: wall vs GPU-busy, the top kernels).
 
 Writes ``e2e-<device>.json`` (device name, torch/triton/vllm versions, date, the config, every step's
-times and the medians, each run's GPU memory after its timed steps) to ``--out`` (default scripts/results/) and prints a table; each run's output goes
-to ``<out>/e2e-logs/<run>.log`` while it runs (a line per step), its result to ``<run>.json`` there,
-and the JSON is rewritten after each run, so a call cut off keeps the runs that finished. A
-recipe per device call (``--recipes``), then ``--merge`` of the calls' JSONs (same options, each run
-keeping its own commit/date/versions) gives the comparison.
+times and the medians, each run's GPU memory after its timed steps) to ``--out`` (default
+scripts/results/) and prints a table; each run's output goes to ``<out>/e2e-logs/<run>.log`` while it
+runs (a line per step), its result to ``<run>.json`` there, and the JSON is rewritten after each run, so
+a call cut off keeps the runs that finished. A recipe per device call (``--recipes``), then ``--merge``
+of the calls' JSONs (same options, each run keeping its own commit/date/versions) gives the comparison.
 """
 
 from __future__ import annotations
