@@ -117,6 +117,7 @@ def _config(args, recipe: str, model_path: str, out_dir: str) -> dict:
                 else {}
             ),
             "ignore_eos": True,
+            "seeding": args.seeding,
             "engine_ops": "hf"
             if args.engine_ops == "fused" and not Recipe.from_name(recipe).train_fp8
             else args.engine_ops,
@@ -216,6 +217,7 @@ def rollout_probe(tr, profile_tokens: int) -> dict:
             max_tokens=max_tokens,
             seed=0,
             ignore_eos=r.ignore_eos,
+            seeding=r.seeding,
         )
 
     t0 = time.perf_counter()
@@ -245,9 +247,10 @@ CONFIG_KEYS = (
     "train_cuda_graphs",
     "backend",
     "seed",
+    "seeding",
 )
 """The options a comparison holds fixed (recorded; `merge` refuses results that differ in them)."""
-ADDED_KEYS = {"engine_ops": "vllm", "numerics": "hf"}
+ADDED_KEYS = {"engine_ops": "vllm", "numerics": "hf", "seeding": "request"}
 """`CONFIG_KEYS` added after results were committed, with the value those older results ran with."""
 
 
@@ -307,6 +310,13 @@ def parse_args(argv: list[str] | None):
         help="after the timed steps, profile one more training phase (recorded per run as train_profile; CUDA)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seeding",
+        choices=("batch", "request"),
+        default="batch",
+        help="rollout.seeding: one RNG seed per rollout, or one per prompt (vLLM then launches one noise kernel "
+        "per sequence per decode step)",
+    )
     p.add_argument(
         "--recipes",
         type=lambda v: v.split(","),

@@ -1,13 +1,14 @@
 """Where a GPU step's time goes, measured: one run of a function under torch.profiler, summarized as wall vs
-GPU-busy milliseconds per step and the kernels with the most GPU time (imported by the ``scripts/bench_*.py``
-run as scripts: this folder is then first on ``sys.path``)."""
+GPU-busy milliseconds per step and the kernels with the most GPU time, and where its host time goes, under
+cProfile (imported by the ``scripts/bench_*.py`` run as scripts: this folder is then first on ``sys.path``)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
-__all__ = ["profile_summary", "profile_cuda"]
+__all__ = ["profile_summary", "profile_cuda", "profile_host"]
 
 
 def profile_summary(kernels: list[tuple[str, int, float]], *, wall_s: float, steps: int, top: int = 15) -> dict:
@@ -51,3 +52,40 @@ def profile_cuda(fn: Callable[[], object], *, steps: int, top: int = 15) -> dict
         if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0
     ]
     return profile_summary(kernels, wall_s=wall, steps=steps, top=top)
+
+
+def profile_host(fn: Callable[[], object], *, steps: int, top: int = 20) -> dict:
+    """One call of `fn` (which runs `steps` steps) under cProfile: wall ms per step and the `top` Python
+    functions by their own time (``tottime``: C calls such as kernel launches included, callees excluded), per
+    step, with their share of the wall time. cProfile's own cost per Python call inflates the wall time (by
+    ``profiled_wall_ms_per_step / wall_ms_per_step``, also recorded from an unprofiled call), so read the
+    shares, not the absolute milliseconds. Only the calling thread is profiled. Warm `fn` up before."""
+    import cProfile
+    import pstats
+
+    if steps < 1:
+        raise ValueError(f"profile_host: steps={steps} must be positive")
+    t0 = time.perf_counter()
+    fn()
+    wall = time.perf_counter() - t0
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.runcall(fn)
+    profiled = time.perf_counter() - t0
+    stats = pstats.Stats(prof).stats  # (file, line, function) -> (primitive calls, calls, tottime, cumtime, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return {
+        "steps": steps,
+        "wall_ms_per_step": wall * 1e3 / steps,
+        "profiled_wall_ms_per_step": profiled * 1e3 / steps,
+        "top_functions": [
+            {
+                "function": f"{Path(file).name}:{line}({name})" if line else name,
+                "calls_per_step": calls / steps,
+                "own_ms_per_step": tot * 1e3 / steps,
+                "cum_ms_per_step": cum * 1e3 / steps,
+                "share": tot / profiled,
+            }
+            for (file, line, name), (_, calls, tot, cum, _) in rows
+        ],
+    }

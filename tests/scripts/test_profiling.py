@@ -16,3 +16,28 @@ def test_profile_summary_per_step_and_top_kernels():
     assert s["top_kernels"][0] == {"name": "gemm", "calls_per_step": 10.0, "gpu_us_per_step": 100.0, "share": 0.64}
     with pytest.raises(ValueError, match="no GPU kernel time was recorded"):
         prof.profile_summary([], wall_s=1.0, steps=4)
+
+
+def test_profile_host_names_the_function_that_spends_the_host_time():
+    import time
+
+    prof = load_script("profiling")
+
+    def busy(s: float) -> None:
+        t = time.perf_counter()
+        while time.perf_counter() - t < s:
+            pass
+
+    def step_loop() -> None:
+        for _ in range(4):
+            busy(0.004)
+
+    s = prof.profile_host(step_loop, steps=4, top=3)
+    assert s["steps"] == 4 and s["wall_ms_per_step"] >= 4.0 and s["profiled_wall_ms_per_step"] >= 4.0
+    top = s["top_functions"]
+    assert len(top) == 3 and top[0]["own_ms_per_step"] >= top[1]["own_ms_per_step"]
+    busy_row = next(r for r in top if r["function"].endswith("(busy)"))
+    assert busy_row["calls_per_step"] == 1.0 and busy_row["cum_ms_per_step"] >= 4.0
+    assert "test_profiling.py:" in busy_row["function"]
+    with pytest.raises(ValueError, match="steps=0"):
+        prof.profile_host(step_loop, steps=0)
