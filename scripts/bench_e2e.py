@@ -117,7 +117,6 @@ def _config(args, recipe: str, model_path: str, out_dir: str) -> dict:
                 else {}
             ),
             "ignore_eos": True,
-            "seeding": args.seeding,
             "engine_ops": "hf"
             if args.engine_ops == "fused" and not Recipe.from_name(recipe).train_fp8
             else args.engine_ops,
@@ -146,6 +145,8 @@ def run_one(args) -> dict:
         rows = []
         for s in range(1, cfg.run.steps + 1):
             rows.append(tr.step(s))
+            if (m := gpu_memory()) is not None:  # the allocator's retries so far: did this step hit the limit?
+                rows[-1]["memory/alloc_retries"] = m["alloc_retries"]
             times = " ".join(f"{k.removeprefix('time/')}={rows[-1][k]:.3f}" for k in (*TIMES, "time/step_s"))
             print(
                 f"bench_e2e {args.one} step {s}{' (warm-up)' if s == 1 else ''}: {times}", file=sys.stderr, flush=True
@@ -164,7 +165,7 @@ def run_one(args) -> dict:
         "engine_start_s": engine_start,  # parts of setup_s, as is the training graphs' capture
         "graph_capture_s": tr.graph_capture_s,
         "converted_linears": len(tr.conversion.converted_names()),
-        "steps": [{k: r[k] for k in keep} for r in rows],
+        "steps": [{k: r[k] for k in (*keep, "memory/alloc_retries") if k in r} for r in rows],
         "gpu_memory": memory,
         **({"rollout_probe": probe} if probe is not None else {}),
         **({"train_profile": train_prof} if train_prof is not None else {}),
@@ -183,16 +184,23 @@ def train_profile(tr, step: int) -> dict:
 def gpu_memory() -> dict | None:
     """The device's memory after the timed steps, GiB: the torch allocator's peak reservation in this process
     (trainer, training graphs and the in-process vLLM engine with its KV cache) and what the device has free
-    (the headroom for more decoder layers of an 8B-class shape); None off CUDA."""
+    (the headroom for more decoder layers of an 8B-class shape); None off CUDA. Also the allocator's counts since
+    the process started: ``alloc_retries`` (allocations that found no cached block and had to free the cache
+    and retry, each a device synchronization: the sign of a process at its memory limit), ``cuda_mallocs`` and
+    ``cuda_frees``."""
     import torch
 
     if not torch.cuda.is_available():
         return None
     free, total = torch.cuda.mem_get_info()
+    stats = torch.cuda.memory_stats()
     return {
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
         "free_gib": free / 2**30,
         "total_gib": total / 2**30,
+        "alloc_retries": stats.get("num_alloc_retries"),
+        "cuda_mallocs": stats.get("num_device_alloc"),
+        "cuda_frees": stats.get("num_device_free"),
     }
 
 
@@ -217,7 +225,6 @@ def rollout_probe(tr, profile_tokens: int) -> dict:
             max_tokens=max_tokens,
             seed=0,
             ignore_eos=r.ignore_eos,
-            seeding=r.seeding,
         )
 
     t0 = time.perf_counter()
@@ -247,10 +254,9 @@ CONFIG_KEYS = (
     "train_cuda_graphs",
     "backend",
     "seed",
-    "seeding",
 )
 """The options a comparison holds fixed (recorded; `merge` refuses results that differ in them)."""
-ADDED_KEYS = {"engine_ops": "vllm", "numerics": "hf", "seeding": "request"}
+ADDED_KEYS = {"engine_ops": "vllm", "numerics": "hf"}
 """`CONFIG_KEYS` added after results were committed, with the value those older results ran with."""
 
 
@@ -310,13 +316,6 @@ def parse_args(argv: list[str] | None):
         help="after the timed steps, profile one more training phase (recorded per run as train_profile; CUDA)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--seeding",
-        choices=("batch", "request"),
-        default="batch",
-        help="rollout.seeding: one RNG seed per rollout, or one per prompt (vLLM then launches one noise kernel "
-        "per sequence per decode step)",
-    )
     p.add_argument(
         "--recipes",
         type=lambda v: v.split(","),
@@ -414,7 +413,8 @@ def print_table(out: dict) -> None:
         if (m := run.get("gpu_memory")) is not None:
             print(
                 f"{r} GPU memory: peak reserved {m['peak_reserved_gib']:.1f} GiB, "
-                f"free {m['free_gib']:.1f} of {m['total_gib']:.1f}"
+                f"free {m['free_gib']:.1f} of {m['total_gib']:.1f}; allocator retries {m.get('alloc_retries')}, "
+                f"cudaMalloc {m.get('cuda_mallocs')}, cudaFree {m.get('cuda_frees')}"
             )
         if (pr := run.get("rollout_probe")) is not None:
             p = pr["profile"]

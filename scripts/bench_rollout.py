@@ -21,9 +21,7 @@ stock vLLM 0.26 BF16 8.5k / 16.3k tok/s, block-FP8 10.8k / 19.6k at batch 64 / 2
 output tokens) under torch.profiler and keeps per mode the wall and GPU-busy milliseconds per output token
 step (its prefill included) and the kernels with the most GPU time: where a decode step's time goes (GPU
 kernels, or the host between them), measured. ``--host-profile`` runs the same generate under cProfile: the
-Python functions that spend the host time, per step. ``--seeding`` is how the generate's seed reaches vLLM
-(`jetrl.rollout.adapter.SEEDINGS`, default ``batch``); ``--compare-seeding`` re-times the last shape (and
-re-runs the host profile) with the other one on the same engine.
+Python functions that spend the host time, per step.
 
 CPU (``--tiny``): the same flow on the tiny Qwen3 (`jetrl.tiny`) with the emulated GEMM backend, plus
 the log-prob mismatch per recipe; stock FP8 is reported as unavailable (vLLM's CPU block-FP8 path needs
@@ -104,14 +102,14 @@ def _prompts(batch: int, in_len: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(3, vocab, (batch, in_len), generator=g).tolist()
 
 
-def _decode(engine, shape: tuple[int, int, int], vocab: int, seed: int, repeats: int, seeding: str) -> dict:
+def _decode(engine, shape: tuple[int, int, int], vocab: int, seed: int, repeats: int) -> dict:
     """Median decode throughput over `repeats` timed runs (after one warm-up) of ``shape = (batch, input_len,
     output_len)`` random prompts."""
     import statistics
 
     batch, in_len, out_len = shape
     prompts = _prompts(batch, in_len, vocab, seed)
-    kw = {"seed": seed, "ignore_eos": True, "seeding": seeding}
+    kw = {"seed": seed, "ignore_eos": True}
     engine.generate(prompts, max_tokens=min(out_len, 8), **kw)  # warm-up at this batch
     runs = []
     for _ in range(repeats):
@@ -123,7 +121,6 @@ def _decode(engine, shape: tuple[int, int, int], vocab: int, seed: int, repeats:
         "batch": batch,
         "input_len": in_len,
         "output_len": out_len,
-        "seeding": seeding,
         "tok_s": statistics.median(runs),
         "tok_s_runs": runs,
     }
@@ -145,17 +142,17 @@ def _model_dir(args, tmp: Path) -> tuple[Path, int]:
     return d, LLAMA_8B["vocab_size"]
 
 
-def _profile(engine, batch: int, in_len: int, tokens: int, vocab: int, seeding: str, host: bool = False) -> dict:
+def _profile(engine, batch: int, in_len: int, tokens: int, vocab: int, host: bool = False) -> dict:
     """`profiling.profile_cuda` (`host`: `profiling.profile_host`) of one generate of `batch` prompts x `tokens`
     output tokens, after a warm-up at the same shape."""
     prompts = _prompts(batch, in_len, vocab, 1)
 
     def generate():
-        return engine.generate(prompts, max_tokens=tokens, seed=1, ignore_eos=True, seeding=seeding)
+        return engine.generate(prompts, max_tokens=tokens, seed=1, ignore_eos=True)
 
     generate()
     summary = (profile_host if host else profile_cuda)(generate, steps=tokens)
-    return {"batch": batch, "input_len": in_len, "seeding": seeding, **summary}
+    return {"batch": batch, "input_len": in_len, **summary}
 
 
 def _trainer(args, recipe):
@@ -208,22 +205,16 @@ def _run_mode(args, mode, recipe, rollout, path, vocab, shapes, result) -> None:
 def _measure(args, mode, recipe, engine, vocab, shapes, result) -> None:
     import torch
 
-    from jetrl.rollout.adapter import SEEDINGS
     from jetrl.rollout.sync import sync_weights
 
     result["engine_start_s"][mode] = engine.start_seconds
     print(f"[{mode}] engine start {engine.start_seconds:.1f} s ({engine.quantization})", flush=True)
-    result["decode"][mode] = [_decode(engine, shape, vocab, 0, args.repeats, args.seeding) for shape in shapes]
-    seedings = [args.seeding, *(s for s in SEEDINGS if s != args.seeding and args.compare_seeding)]
-    if args.compare_seeding:
-        result["seeding_compare"][mode] = {s: _decode(engine, shapes[-1], vocab, 0, args.repeats, s) for s in seedings}
+    result["decode"][mode] = [_decode(engine, shape, vocab, 0, args.repeats) for shape in shapes]
     b, i, _ = shapes[-1]
     if args.profile:
-        result["profile"][mode] = _profile(engine, b, i, args.profile_tokens, vocab, args.seeding)
+        result["profile"][mode] = _profile(engine, b, i, args.profile_tokens, vocab)
     if args.host_profile:
-        result["host_profile"][mode] = {
-            s: _profile(engine, b, i, args.profile_tokens, vocab, s, host=True) for s in seedings
-        }
+        result["host_profile"][mode] = _profile(engine, b, i, args.profile_tokens, vocab, host=True)
     if mode in args.sync_modes:
         trainer = _trainer(args, recipe)
         reports = [sync_weights(trainer, engine, recipe).to_dict() for _ in range(2)]
@@ -278,7 +269,6 @@ _PER_MODE = (
     "logprob_mismatch",
     "profile",
     "host_profile",
-    "seeding_compare",
 )
 
 
@@ -338,7 +328,6 @@ def run(args, out: Path | None = None) -> dict:
         "enforce_eager": args.enforce_eager,
         "cudagraph_capture_sizes": None if args.enforce_eager else args.capture_sizes,
         "repeats": args.repeats,
-        "seeding": args.seeding,
         "tok_s_note": "median of repeats; decode = prompts of input_len random ids, output_len tokens, ignore_eos",
         "decode": {},
         "engine_start_s": {},
@@ -347,7 +336,6 @@ def run(args, out: Path | None = None) -> dict:
         "errors": {},
         "profile": {},
         "host_profile": {},
-        "seeding_compare": {},
     }
     with tempfile.TemporaryDirectory() as tmp:
         path, vocab = _model_dir(args, Path(tmp))
@@ -397,15 +385,12 @@ def _table(result: dict) -> str:
             f"profile {mode} (batch {pr['batch']}): {pr['wall_ms_per_step']:.2f} ms/step wall, "
             f"{pr['gpu_busy_ms_per_step']:.2f} GPU-busy; top: {head}"
         )
-    for mode, rows in result.get("seeding_compare", {}).items():
-        lines.append(f"seeding {mode}: " + ", ".join(f"{s} {r['tok_s']:.1f} tok/s" for s, r in rows.items()))
-    for mode, by_seeding in result.get("host_profile", {}).items():
-        for seeding, hp in by_seeding.items():
-            head = ", ".join(f"{f['function'][:48]} {f['share']:.0%}" for f in hp["top_functions"][:4])
-            lines.append(
-                f"host {mode} ({seeding}, batch {hp['batch']}): {hp['wall_ms_per_step']:.2f} ms/step "
-                f"({hp['profiled_wall_ms_per_step']:.2f} profiled); top: {head}"
-            )
+    for mode, hp in result.get("host_profile", {}).items():
+        head = ", ".join(f"{f['function'][:48]} {f['share']:.0%}" for f in hp["top_functions"][:4])
+        lines.append(
+            f"host {mode} (batch {hp['batch']}): {hp['wall_ms_per_step']:.2f} ms/step "
+            f"({hp['profiled_wall_ms_per_step']:.2f} profiled); top: {head}"
+        )
     lines.append("engine start s: " + ", ".join(f"{k} {v:.1f}" for k, v in result["engine_start_s"].items()))
     return "\n".join(lines)
 
@@ -422,8 +407,6 @@ def _shapes(value: str) -> list[tuple[int, int, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jetrl.rollout.adapter import SEEDINGS
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny Qwen3 on CPU (emulated GEMM) instead of 8B on a GPU")
     p.add_argument("--modes", nargs="+", default=None, choices=list(MODES))
@@ -452,12 +435,6 @@ def main(argv: list[str] | None = None) -> int:
         "--host-profile",
         action="store_true",
         help="one more generate at the last shape under cProfile: the Python functions spending host time",
-    )
-    p.add_argument("--seeding", choices=SEEDINGS, default="batch", help="how the generate's seed reaches vLLM")
-    p.add_argument(
-        "--compare-seeding",
-        action="store_true",
-        help="also time the last shape (and --host-profile) with the other seeding, on the same engine",
     )
     p.add_argument(
         "--isolate",

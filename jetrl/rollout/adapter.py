@@ -42,7 +42,6 @@ from jetrl.rollout.tp import TPLayout, TPRank
 
 __all__ = [
     "ROLLOUT_MODES",
-    "SEEDINGS",
     "CPU_KV_CACHE_BYTES",
     "Engine",
     "Sample",
@@ -67,13 +66,6 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 ROLLOUT_MODES = ("jetrl", "stock")
-SEEDINGS = ("batch", "request")
-"""How `Engine.generate` applies its seed: ``"batch"`` seeds the engine's sampling RNG once per call (every
-request then draws from it in one batched kernel per decode step; the samples are a function of the seed,
-the prompts and the engine's batch schedule); ``"request"`` gives each prompt its own seed (``seed + i``),
-so a prompt's samples do not depend on what else is in the batch, but vLLM then draws each seeded row's
-noise with its own generator: one kernel launch per sequence per decode step, host time that grows with the
-batch."""
 CPU_KV_CACHE_BYTES = 256 << 20
 """KV-cache size given to a CPU engine when neither gpu_memory_utilization nor kv_cache_memory_bytes is set
 (vLLM's CPU worker otherwise reserves a fraction of all RAM and refuses to start on a busy machine)."""
@@ -401,14 +393,6 @@ def _check_nonfinite(_model) -> None:
     check_rollout_nonfinite()
 
 
-def _seed_sampling(_model, seed: int) -> None:
-    # vLLM samples unseeded requests from the default generators (one batched draw per decode step): the
-    # CPU one (vLLM's CPU sampler) and the worker's device's
-    torch.random.default_generator.manual_seed(seed)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed(seed)
-
-
 def _attention_isas(model) -> set[str]:
     return {m.isa for m in model.modules() if isinstance(getattr(m, "isa", None), str)}
 
@@ -468,28 +452,22 @@ class Engine:
         max_tokens: int,
         seed: int | None = None,
         ignore_eos: bool = False,
-        seeding: str = "batch",
     ) -> list[Sample]:
         """Sample `n` completions per prompt; returns them prompt-major (prompt 0's n samples first).
-        `seed` (None: unseeded, the engine's RNG stream continues) is applied as `seeding` says (`SEEDINGS`):
-        ``"batch"`` seeds the engine's sampling RNG for this call (an in-process engine's RNG is this
-        process's: its state is restored afterwards), ``"request"`` samples prompt i with seed ``seed + i``."""
+        Prompt i is sampled with seed ``seed + i`` (None: unseeded)."""
         from vllm import SamplingParams
 
         if self._asleep:
             raise RuntimeError("Engine.generate: the engine is asleep; call wake() first")
-        if seeding not in SEEDINGS:
-            raise ValueError(f"Engine.generate: seeding={seeding!r}; choose one of {SEEDINGS}")
-        per_request = seed is not None and seeding == "request"
-        # per request: one seed per prompt (seed + i), since vLLM seeds each request's generator with it and
-        # a shared seed would draw the same random numbers for every prompt
+        # One seed per prompt (seed + i): vLLM seeds each request's generator, so a shared seed would
+        # draw the same random numbers for every prompt.
         params = [
             SamplingParams(
                 n=n,
                 temperature=temperature,
                 top_p=top_p,
                 max_tokens=max_tokens,
-                seed=seed + i if per_request else None,
+                seed=None if seed is None else seed + i,
                 logprobs=0,  # the sampled token's log-prob only
                 ignore_eos=ignore_eos,
                 detokenize=False,
@@ -497,13 +475,7 @@ class Engine:
             for i in range(len(prompt_token_ids))
         ]
         prompts = [{"prompt_token_ids": list(map(int, p))} for p in prompt_token_ids]
-        if seed is None or per_request:
-            outs = self.llm.generate(prompts, params, use_tqdm=False)
-        else:
-            devices = [torch.cuda.current_device()] if self.in_process and torch.cuda.is_available() else []
-            with torch.random.fork_rng(devices=devices, enabled=self.in_process):
-                self.apply(functools.partial(_seed_sampling, seed=seed))
-                outs = self.llm.generate(prompts, params, use_tqdm=False)
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
         self.check_nonfinite()
         samples = []
         for prompt, out in zip(prompt_token_ids, outs, strict=True):

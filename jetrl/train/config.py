@@ -26,7 +26,6 @@ from typing import Any
 import yaml
 
 from jetrl.recipe import RECIPE_NAMES, Recipe
-from jetrl.rollout.adapter import SEEDINGS
 
 from .algo import KL_TYPES, LOSS_AGG_MODES
 
@@ -177,12 +176,6 @@ class RolloutConfig:
     ignore_eos: bool = False
     """Generate every response to `max_tokens` (benchmarks: stable token counts; such responses never
     finish with 'stop', so they earn no reward)."""
-    seeding: str = "batch"
-    """How each rollout's seed (from ``run.seed``, the step and the round) reaches vLLM
-    (`jetrl.rollout.adapter.SEEDINGS`): 'batch' seeds the engine's sampling RNG once per rollout (a resumed
-    step draws the same samples; one batched draw per decode step), 'request' seeds every prompt's requests
-    (samples independent of the batch schedule, e.g. of the KV-cache size, at one generator launch per
-    sequence per decode step: host time that grows with the batch)."""
 
 
 _ALGO_PRESETS: dict[str, dict[str, Any]] = {
@@ -515,8 +508,6 @@ def _check_values(cfg: TrainConfig) -> None:
         raise _fail("rollout.temperature", f"must be > 0 (greedy sampling gives no group signal), got {ro.temperature}")
     if not 0.0 < ro.top_p <= 1.0:
         raise _fail("rollout.top_p", f"must be in (0, 1], got {ro.top_p}")
-    if ro.seeding not in SEEDINGS:
-        raise _fail("rollout.seeding", f"{ro.seeding!r}: choose one of {list(SEEDINGS)}")
     if ro.gpu_memory_utilization is not None and not 0.0 < ro.gpu_memory_utilization <= 1.0:
         raise _fail("rollout.gpu_memory_utilization", f"must be in (0, 1], got {ro.gpu_memory_utilization}")
     n = ro.prompts_per_step * ro.samples_per_prompt

@@ -416,7 +416,6 @@ class Trainer:
             max_tokens=r.max_tokens,
             seed=seed,
             ignore_eos=r.ignore_eos,
-            seeding=r.seeding,
         )
 
     def _score(self, problems: list[Problem], samples: list, n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -238,28 +238,3 @@ def test_logprob_mismatch_unified_below_naive(setups):
     m = _logprob_mismatch(setups["jetrl-unified"][0], matched, setups["jetrl-unified"][2])
     print(f"{'jetrl-unified+match':20s} {m['mean_abs']:12.5f} {m['max_abs']:12.5f} {m['tokens']:7d}")
     assert m["mean_abs"] <= 0.05 * n["mean_abs"], f"matched unified {m} vs naive {n}"
-
-
-def test_seeding_batch_and_request_reproduce_and_leave_the_process_rng_alone(setups):
-    """`Engine.generate` seeding: 'batch' seeds the in-process engine's sampling RNG for one call and puts this
-    process's RNG back; 'request' gives each prompt its own seed, so a prompt samples alike in any batch."""
-    engine = setups["bf16"][2]
-    tok = CharTokenizer()
-    prompts = [tok.encode(p) for p in PROMPTS[:4]]
-
-    def ids(seed, seeding, ps=prompts):
-        out = engine.generate(ps, n=2, temperature=1.0, max_tokens=12, seed=seed, seeding=seeding)
-        return [s.response_ids for s in out]
-
-    torch.manual_seed(7)
-    want = torch.rand(4)
-    torch.manual_seed(7)
-    first = ids(5, "batch")
-    assert torch.equal(torch.rand(4), want)  # the reseed for the engine was undone
-    assert ids(5, "batch") == first
-    assert ids(6, "batch") != first
-    per_request = ids(5, "request")
-    assert ids(5, "request") == per_request
-    assert ids(5, "request", prompts[:1]) == per_request[:2]
-    with pytest.raises(ValueError, match="seeding='prompt'"):
-        engine.generate(prompts, max_tokens=2, seed=0, seeding="prompt")

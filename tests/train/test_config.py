@@ -30,7 +30,6 @@ def test_defaults_and_presets():
         ({"run": {"gemm_backend": "cublas"}}, "run.gemm_backend"),
         ({"rollout": {"samples_per_prompt": 1}}, "rollout.samples_per_prompt"),
         ({"rollout": {"top_p": 0.0}}, "rollout.top_p"),
-        ({"rollout": {"seeding": "prompt"}}, "rollout.seeding"),
         ({"algo": {"name": "ppo"}}, "algo.name"),
         ({"algo": {"mini_batches": 3}}, "algo.mini_batches"),
         ({"algo": {"loss_agg": "sum"}}, "algo.loss_agg"),
