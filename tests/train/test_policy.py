@@ -182,3 +182,34 @@ def test_trimmed_forward_matches_untrimmed(setup):
             else:
                 assert torch.equal(lp[m], full[rows, :w][m]), rows
                 assert torch.equal(ent[m], full_ent[rows, :w][m]), rows
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_forward_without_padding_mask_scores_real_tokens_as_the_masked_forward(attn):
+    """`forward_logprobs` gives the model no padding mask (right-padded rows: causal attention hides the
+    padding). Every response token's log-prob equals the one the padding-masked forward gives, within fp32
+    kernel order (the masked and the causal path are different SDPA kernels), and the padding's own outputs
+    stay finite; padding with other token ids changes nothing."""
+    from jetrl.tiny import build_tiny_model
+    from jetrl.train.algo import token_logprobs
+
+    b, _ = _ragged_batch()
+    assert not b.attention_mask.all()  # the rows are of different lengths
+    model = build_tiny_model(0).float()
+    model.set_attn_implementation(attn)
+    with torch.no_grad():
+        lp, _ = forward_logprobs(model, b)
+        masked = model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False).logits[:, :-1]
+        want = token_logprobs(masked, b.targets)
+        other = _repadded(b, pad_id=7)
+        lp_other, _ = forward_logprobs(model, other)
+    m = b.mask.bool()
+    torch.testing.assert_close(lp[m], want[m], rtol=0, atol=2e-5)
+    assert torch.isfinite(lp).all()
+    assert torch.equal(lp_other[m], lp[m])
+
+
+def _repadded(b, *, pad_id: int):
+    """`b` with its padding replaced by `pad_id`."""
+    ids = torch.where(b.attention_mask.bool(), b.input_ids, torch.full_like(b.input_ids, pad_id))
+    return type(b)(ids, b.attention_mask, ids[:, 1:].clone(), b.mask, b.rollout_logp, b.response_len)
