@@ -413,8 +413,13 @@ def print_table(out: dict) -> None:
         if (m := run.get("gpu_memory")) is not None:
             print(
                 f"{r} GPU memory: peak reserved {m['peak_reserved_gib']:.1f} GiB, "
-                f"free {m['free_gib']:.1f} of {m['total_gib']:.1f}; allocator retries {m.get('alloc_retries')}, "
-                f"cudaMalloc {m.get('cuda_mallocs')}, cudaFree {m.get('cuda_frees')}"
+                f"free {m['free_gib']:.1f} of {m['total_gib']:.1f}"
+                + (
+                    f"; allocator retries {m['alloc_retries']}, cudaMalloc {m['cuda_mallocs']}, "
+                    f"cudaFree {m['cuda_frees']}"
+                    if "alloc_retries" in m
+                    else ""
+                )
             )
         if (pr := run.get("rollout_probe")) is not None:
             p = pr["profile"]
