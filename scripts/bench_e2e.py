@@ -103,6 +103,7 @@ def _config(args, recipe: str, model_path: str, out_dir: str) -> dict:
             "path": model_path,
             "fuse_producers": args.fuse and Recipe.from_name(recipe).train_fp8,
             "numerics": args.numerics,
+            "attn_implementation": args.attn,
         },
         "warmup": {"steps": 0},
         "rollout": {
@@ -254,13 +255,16 @@ CONFIG_KEYS = (
     "train_cuda_graphs",
     "backend",
     "seed",
+    "attn",
 )
 """The options a comparison holds fixed (recorded; `merge` refuses results that differ in them)."""
-ADDED_KEYS = {"engine_ops": "vllm", "numerics": "hf"}
+ADDED_KEYS = {"engine_ops": "vllm", "numerics": "hf", "attn": "sdpa"}
 """`CONFIG_KEYS` added after results were committed, with the value those older results ran with."""
 
 
 def parse_args(argv: list[str] | None):
+    from jetrl.train.config import ATTN_IMPLEMENTATIONS
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="the embedded tiny Qwen3 (CPU-friendly) instead of 0.6B")
     p.add_argument("--shape", choices=SHAPES, default="qwen3-0.6b", help="random-weight model shape (default 0.6B)")
@@ -316,6 +320,12 @@ def parse_args(argv: list[str] | None):
         help="after the timed steps, profile one more training phase (recorded per run as train_profile; CUDA)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--attn",
+        choices=ATTN_IMPLEMENTATIONS,
+        default="sdpa",
+        help="the trainer's model.attn_implementation (sdpa_causal: SDPA's causal kernels, no mask, graphs too)",
+    )
     p.add_argument(
         "--recipes",
         type=lambda v: v.split(","),

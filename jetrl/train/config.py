@@ -47,6 +47,8 @@ __all__ = [
 
 
 LOGGERS = {"tensorboard": "tensorboard", "wandb": "wandb"}
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "sdpa_causal")
+"""``model.attn_implementation`` values (its docstring)."""
 """``run.loggers`` names -> the Python package each needs (`jetrl.train.loggers` opens them)."""
 
 
@@ -102,7 +104,10 @@ class ModelConfig:
     dtype: str = "bfloat16"
     """Dtype of the trainer's compute weights and of the rollout engine ('bfloat16')."""
     attn_implementation: str = "sdpa"
-    """HF attention of the trainer ('sdpa' or 'eager'); replaced when ``numerics`` is 'vllm-cpu' or 'strict'."""
+    """HF attention of the trainer: 'sdpa', 'eager' (transformers' own, with the padding mask) or
+    'sdpa_causal' (`jetrl.train.policy.use_causal_sdpa`: SDPA's causal kernels with no mask, which the
+    right-padded batches allow; transformers' 'sdpa' builds a mask under CUDA-graph capture); replaced when
+    ``numerics`` is 'vllm-cpu' or 'strict'."""
     numerics: str = "hf"
     """Trainer numerics between the Linears: 'hf' (transformers' model as is), 'vllm-cpu' (RoPE,
     attention and residual+RMSNorm computed as vLLM's CPU kernels do; see `jetrl.rollout.engine_match`) or
@@ -435,8 +440,11 @@ def _check_values(cfg: TrainConfig) -> None:
         raise _fail("run.gemm_backend", f"{r.gemm_backend!r}: choose auto, deepgemm, torch-blockwise or emulated")
     if cfg.model.dtype != "bfloat16":
         raise _fail("model.dtype", f"{cfg.model.dtype!r}: only 'bfloat16' is supported (the rollout engine's dtype)")
-    if cfg.model.attn_implementation not in ("sdpa", "eager"):
-        raise _fail("model.attn_implementation", f"{cfg.model.attn_implementation!r}: choose 'sdpa' or 'eager'")
+    if cfg.model.attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise _fail(
+            "model.attn_implementation",
+            f"{cfg.model.attn_implementation!r}: choose one of {list(ATTN_IMPLEMENTATIONS)}",
+        )
     if cfg.model.numerics not in ("hf", "vllm-cpu", "strict"):
         raise _fail("model.numerics", f"{cfg.model.numerics!r}: choose 'hf', 'vllm-cpu' or 'strict'")
     if cfg.model.numerics == "strict":

@@ -17,6 +17,12 @@ buffers (a `jetrl.linear.JetFP8Linear` writes its FP8 wgrad there directly; ever
 BF16 gradient is added by a post-accumulate hook), steps the masters and copies them back into the
 BF16 parameters. The copy is an in-place write, so each JetFP8Linear re-quantizes its weight once per
 optimizer step (its cache key is the parameter's version counter).
+
+Attention (``model.attn_implementation: sdpa_causal``, `use_causal_sdpa`). Rows are right-padded, so a
+causal mask alone keeps each row's padding away from its real tokens: the model can attend with SDPA's
+``is_causal`` kernels and no mask at all. transformers' own SDPA path builds a 4D mask whenever a row is
+padded, and under CUDA-graph capture always (its mask skipping is off while tracing), which sends SDPA to
+its masked memory-efficient kernels.
 """
 
 from __future__ import annotations
@@ -29,7 +35,18 @@ from torch import nn
 
 from .algo import entropy_from_logits, token_logprobs, token_logprobs_and_entropy
 
-__all__ = ["TokenBatch", "make_batch", "micro_batches", "forward_logprobs", "MixedPrecisionAdamW"]
+__all__ = [
+    "CAUSAL_SDPA",
+    "TokenBatch",
+    "make_batch",
+    "micro_batches",
+    "forward_logprobs",
+    "use_causal_sdpa",
+    "MixedPrecisionAdamW",
+]
+
+CAUSAL_SDPA = "jetrl_causal_sdpa"
+"""The transformers attention implementation `use_causal_sdpa` registers."""
 
 
 @dataclass
@@ -133,6 +150,48 @@ def micro_batches(lengths: list[int], idx: list[int], *, max_seqs: int, max_toke
     if cur:
         out.append(cur)
     return out
+
+
+def _causal_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """transformers' attention-function contract: q ``[B, H, S, D]``, k/v ``[B, Hkv, S, D]`` -> ``[B, S, H, D]``;
+    the mask is not read (`use_causal_sdpa`)."""
+    name = f"{CAUSAL_SDPA} (layer {getattr(module, 'layer_idx', '?')})"
+    if dropout:
+        raise ValueError(f"{name}: dropout={dropout}; the trainer attends without dropout")
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError(f"{name}: a sliding window of {kwargs['sliding_window']}; causal SDPA attends to every key")
+    if query.shape[2] != key.shape[2]:
+        raise ValueError(f"{name}: {query.shape[2]} queries over {key.shape[2]} keys (no KV cache in training)")
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        is_causal=True,
+        scale=scaling if scaling is not None else module.scaling,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args, **kwargs) -> None:
+    return None
+
+
+def use_causal_sdpa(model: nn.Module) -> None:
+    """Make a loaded transformers decoder attend with causal SDPA and no mask, in place (module docstring):
+    for right-padded rows (`make_batch`, `TokenBatch`) every real token's attention is the masked one, the
+    padding's own outputs are read by no target. No mask is built, in eager mode or under graph capture.
+    Raises ValueError naming the layer where a model needs more than a causal mask (sliding window)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    cfg = model.config
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", False):
+        raise ValueError(f"model.attn_implementation='sdpa_causal': {type(model).__name__} uses sliding windows")
+    # registration happens here, in the set-up that asks for it, not at import
+    AttentionInterface.register(CAUSAL_SDPA, _causal_sdpa)
+    AttentionMaskInterface.register(CAUSAL_SDPA, _no_mask)
+    model.set_attn_implementation(CAUSAL_SDPA)
 
 
 def forward_logprobs(

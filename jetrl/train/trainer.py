@@ -54,7 +54,7 @@ from .config import TrainConfig
 from .loggers import check_loggers, open_loggers
 from .metrics import MetricsWriter, read_metrics
 from .modelfiles import check_model_dir
-from .policy import MixedPrecisionAdamW, TokenBatch, forward_logprobs, make_batch, micro_batches
+from .policy import MixedPrecisionAdamW, TokenBatch, forward_logprobs, make_batch, micro_batches, use_causal_sdpa
 from .progress import ProgressBar
 from .task import ArithmeticTask, Problem, Stream
 from .warmup import prepare_initial_checkpoint
@@ -385,8 +385,9 @@ class Trainer:
             except ValueError as e:
                 raise TrainError(f"{e}; delete {self.init_path} to rebuild it") from None
         try:
+            attn = cfg.model.attn_implementation
             model = AutoModelForCausalLM.from_pretrained(
-                self.init_path, dtype=torch.bfloat16, attn_implementation=cfg.model.attn_implementation
+                self.init_path, dtype=torch.bfloat16, attn_implementation="sdpa" if attn == "sdpa_causal" else attn
             ).to(self.device)
         except (OSError, ValueError) as e:  # safetensors' SafetensorError is neither: caught below
             raise TrainError(f"{self.init_path}: cannot load the model ({type(e).__name__}: {e})") from None
@@ -394,6 +395,8 @@ class Trainer:
             if type(e).__name__ != "SafetensorError":
                 raise
             raise TrainError(f"{self.init_path}: a weights file is unreadable ({e})") from None
+        if cfg.model.numerics == "hf" and cfg.model.attn_implementation == "sdpa_causal":
+            use_causal_sdpa(model)
         if cfg.model.numerics == "vllm-cpu":
             from jetrl.rollout.engine_match import match_vllm_cpu
 

@@ -149,15 +149,26 @@ def test_plumbing_on_cpu_with_eager_stand_ins_for_the_capture(monkeypatch, recip
 
 
 @pytest.mark.skipif(not has_sm90(), reason="needs an sm_90 CUDA GPU (Triton FP8 kernels, DeepGEMM, CUDA graphs)")
-@pytest.mark.parametrize(("recipe", "fuse"), [("jetrl-unified", False), ("jetrl-unified", True), ("bf16", False)])
-def test_gpu_graphed_equals_eager_bit_for_bit_across_an_optimizer_step(recipe, fuse):
+@pytest.mark.parametrize(
+    ("recipe", "fuse", "attn"),
+    [
+        ("jetrl-unified", False, "sdpa"),
+        ("jetrl-unified", True, "sdpa"),
+        ("bf16", False, "sdpa"),
+        ("jetrl-unified", True, "sdpa_causal"),
+        ("bf16", False, "sdpa_causal"),
+    ],
+)
+def test_gpu_graphed_equals_eager_bit_for_bit_across_an_optimizer_step(recipe, fuse, attn):
     from jetrl.convert import convert_model
     from jetrl.linear import refresh_fp8_weights_
     from jetrl.recipe import Recipe
     from jetrl.tiny import build_tiny_model
-    from jetrl.train.policy import MixedPrecisionAdamW, forward_logprobs
+    from jetrl.train.policy import MixedPrecisionAdamW, forward_logprobs, use_causal_sdpa
 
     model = build_tiny_model(0).cuda().train()
+    if attn == "sdpa_causal":  # no mask in either: SDPA's causal kernels, eager and captured alike
+        use_causal_sdpa(model)
     convert_model(model, Recipe.from_name(recipe), fuse=fuse)  # fuse: the RMSNorm/SwiGLU producers, graphed too
     opt = MixedPrecisionAdamW(model, lr=1e-3)
     graphed = GraphedLogprobs(model, temperature=1.0, pad_id=0, max_rows=4, max_tokens=None, max_width=100)

@@ -312,3 +312,24 @@ def test_fused_producers(out_dir):
     finally:
         tr.close()
     assert json.loads((out_dir / "fused" / "lint.json").read_text())["ok"] is True
+
+
+def test_trainer_loads_its_policy_with_causal_sdpa_when_asked(out_dir):
+    """``model.attn_implementation: sdpa_causal`` (numerics 'hf') reaches the loaded policy; 'vllm-cpu' numerics
+    replace the attention as documented."""
+    from jetrl.demo import DEFAULT_CONFIG
+    from jetrl.train.config import apply_overrides, config_from_dict
+    from jetrl.train.policy import CAUSAL_SDPA
+    from jetrl.train.trainer import Trainer
+    from jetrl.train.warmup import prepare_initial_checkpoint
+
+    def load(*extra):
+        raw = apply_overrides(DEFAULT_CONFIG, [*SHORT, f"run.out_dir={out_dir}", "run.name=attn", *extra])
+        cfg = config_from_dict(raw)
+        tr = Trainer(cfg, overwrite=True, verbose=False)
+        tr.init_path = prepare_initial_checkpoint(cfg, log=lambda *a: None)
+        return tr._load_policy()
+
+    assert load("model.numerics=hf", "model.attn_implementation=sdpa_causal").config._attn_implementation == CAUSAL_SDPA
+    assert load("model.numerics=hf").config._attn_implementation == "sdpa"
+    assert load("model.attn_implementation=sdpa_causal").config._attn_implementation != CAUSAL_SDPA  # vllm-cpu's

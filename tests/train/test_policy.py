@@ -184,29 +184,66 @@ def test_trimmed_forward_matches_untrimmed(setup):
                 assert torch.equal(ent[m], full_ent[rows, :w][m]), rows
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_forward_without_padding_mask_scores_real_tokens_as_the_masked_forward(attn):
-    """`forward_logprobs` gives the model no padding mask (right-padded rows: causal attention hides the
-    padding). Every response token's log-prob equals the one the padding-masked forward gives, within fp32
-    kernel order (the masked and the causal path are different SDPA kernels), and the padding's own outputs
-    stay finite; padding with other token ids changes nothing."""
+def _sdpa_calls(monkeypatch) -> list[dict]:
+    """Record the mask / is_causal / enable_gqa of every SDPA call."""
+    calls, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kw):
+        calls.append({"mask": attn_mask, "is_causal": is_causal, "gqa": kw.get("enable_gqa", False)})
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return calls
+
+
+def test_causal_sdpa_scores_real_tokens_as_the_masked_model_with_no_mask_under_capture(monkeypatch):
+    """``sdpa_causal`` (`use_causal_sdpa`) on right-padded rows: every response token's log-prob equals what
+    transformers' masked SDPA gives (fp32, within kernel order), the padding's outputs are finite and its
+    token ids change nothing, and SDPA gets no mask and ``is_causal`` with grouped-query heads, also while
+    transformers believes it is tracing (as under CUDA-graph capture), where its own 'sdpa' builds a mask."""
+    import transformers.masking_utils as mu
+
     from jetrl.tiny import build_tiny_model
-    from jetrl.train.algo import token_logprobs
+    from jetrl.train.policy import CAUSAL_SDPA, use_causal_sdpa
 
     b, _ = _ragged_batch()
-    assert not b.attention_mask.all()  # the rows are of different lengths
-    model = build_tiny_model(0).float()
-    model.set_attn_implementation(attn)
+    assert not b.attention_mask.all()  # rows of different lengths: padding present
+    hf = build_tiny_model(0).float()
+    hf.set_attn_implementation("sdpa")
+    ours = build_tiny_model(0).float()
+    use_causal_sdpa(ours)
+    assert ours.config._attn_implementation == CAUSAL_SDPA
+    assert ours.config.num_key_value_heads < ours.config.num_attention_heads  # GQA is exercised
+    monkeypatch.setattr(mu, "is_tracing", lambda *a, **k: True)
+    calls = _sdpa_calls(monkeypatch)
     with torch.no_grad():
-        lp, _ = forward_logprobs(model, b)
-        masked = model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False).logits[:, :-1]
-        want = token_logprobs(masked, b.targets)
-        other = _repadded(b, pad_id=7)
-        lp_other, _ = forward_logprobs(model, other)
+        want, _ = forward_logprobs(hf, b)
+        assert calls and all(c["mask"] is not None for c in calls)  # transformers' path: a mask per layer
+        calls.clear()
+        got, _ = forward_logprobs(ours, b)
+        other, _ = forward_logprobs(ours, _repadded(b, pad_id=7))
+    assert len(calls) == 2 * ours.config.num_hidden_layers
+    assert all(c["mask"] is None and c["is_causal"] and c["gqa"] for c in calls)
     m = b.mask.bool()
-    torch.testing.assert_close(lp[m], want[m], rtol=0, atol=2e-5)
-    assert torch.isfinite(lp).all()
-    assert torch.equal(lp_other[m], lp[m])
+    torch.testing.assert_close(got[m], want[m], rtol=0, atol=2e-5)
+    assert torch.isfinite(got).all()
+    assert torch.equal(other[m], got[m])
+
+
+def test_causal_sdpa_refuses_what_a_causal_mask_cannot_express():
+    from jetrl.tiny import build_tiny_model
+    from jetrl.train.policy import _causal_sdpa, use_causal_sdpa
+
+    model = build_tiny_model(0)
+    model.config.sliding_window, model.config.use_sliding_window = 16, True
+    with pytest.raises(ValueError, match="uses sliding windows"):
+        use_causal_sdpa(model)
+    attn = build_tiny_model(0).model.layers[1].self_attn
+    q, kv = torch.zeros(1, 4, 3, 8), torch.zeros(1, 2, 5, 8)
+    with pytest.raises(ValueError, match=r"\(layer 1\): 3 queries over 5 keys"):
+        _causal_sdpa(attn, q, kv, kv, None)
+    with pytest.raises(ValueError, match="dropout=0.1"):
+        _causal_sdpa(attn, q, q[:, :2], q[:, :2], None, dropout=0.1)
 
 
 def _repadded(b, *, pad_id: int):
