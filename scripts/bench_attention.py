@@ -14,8 +14,8 @@ under each backend forced, so that the trainer's attention changes on a measurem
 - ``causal_repeat``: ``is_causal=True``, K/V repeated;
 
 backends ``auto`` (SDPA's choice), ``flash``, ``efficient``, ``cudnn``, ``math``; a backend that refuses a
-path is recorded with its reason. Times: CUDA events (CPU: wall clock), median of ``--repeats`` after a
-warm-up; kernels: the profiler's top three by device time (CUDA).
+path is recorded with its reason. Times: `bench_linear.timeit` (CUDA events; CPU: wall clock), median of
+``--repeats`` after a warm-up; kernels: the profiler's top three by device time (CUDA).
 
     python scripts/bench_attention.py --shape llama3.1-8b --rows 4 --width 2064 --commit SHA   # on the H200
     python scripts/bench_attention.py --tiny                                                    # CPU plumbing
@@ -26,12 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
 import sys
-import time
+import warnings
 from pathlib import Path
 
 import benchmeta
+from bench_linear import timeit
 from shape_model import SHAPES, shape_config
 
 PATHS = ("masked", "causal_gqa", "causal_repeat")
@@ -86,28 +86,6 @@ def _backend_ctx(backend: str):
     return sdpa_kernel(names[backend])
 
 
-def _timed(fn, repeats: int, cuda: bool) -> float:
-    """Median milliseconds of `fn` over `repeats` runs after two warm-up runs."""
-    import torch
-
-    for _ in range(2):
-        fn()
-    out = []
-    for _ in range(repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            out.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(out)
-
-
 def _kernels(fn) -> list[str]:
     """The three CUDA kernels with the most device time in one run of `fn`."""
     import torch
@@ -138,10 +116,13 @@ def measure(path: str, backend: str, tensors, repeats: int) -> dict:
         q.grad = k.grad = v.grad = None
 
     try:
-        fwd_ms = _timed(fwd, repeats, cuda)
-        fwd_bwd_ms = _timed(fwd_bwd, repeats, cuda)
-    except RuntimeError as e:  # the backend cannot run this case (SDPA says why)
-        return {"refused": str(e).strip().splitlines()[0][:300]}
+        with warnings.catch_warnings(record=True) as why:  # SDPA warns why each backend declined
+            warnings.simplefilter("always")
+            fwd_ms = timeit(fwd, q.device, warmup=2, rep=repeats)
+            fwd_bwd_ms = timeit(fwd_bwd, q.device, warmup=2, rep=repeats)
+    except RuntimeError as e:  # the backend cannot run this case
+        reasons = [str(e).strip().splitlines()[0], *dict.fromkeys(str(w.message).strip() for w in why)]
+        return {"refused": "; ".join(reasons)[:600]}
     return {"fwd_ms": fwd_ms, "fwd_bwd_ms": fwd_bwd_ms, "kernels": _kernels(fwd_bwd) if cuda else []}
 
 

@@ -34,3 +34,10 @@ def test_cpu_run_records_every_path(tmp_path):
         assert set(by_backend) == {"auto", "math"}
         for m in by_backend.values():
             assert m["fwd_ms"] > 0 and m["fwd_bwd_ms"] > 0, m
+
+
+def test_a_backend_that_cannot_run_is_recorded_with_the_reason():
+    bench = load_script("bench_attention")
+    tensors = bench._inputs(4, 2, 16, 2, 32, "cpu", torch.float32)
+    r = bench.measure("masked", "cudnn", tensors, 1)  # cuDNN attention has no CPU kernel
+    assert set(r) == {"refused"} and "scaled_dot_product_attention" in r["refused"]
