@@ -47,9 +47,9 @@ __all__ = [
 
 
 LOGGERS = {"tensorboard": "tensorboard", "wandb": "wandb"}
+"""``run.loggers`` names -> the Python package each needs (`jetrl.train.loggers` opens them)."""
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "sdpa_causal")
 """``model.attn_implementation`` values (its docstring)."""
-"""``run.loggers`` names -> the Python package each needs (`jetrl.train.loggers` opens them)."""
 
 
 class ConfigError(ValueError):

@@ -20,9 +20,9 @@ optimizer step (its cache key is the parameter's version counter).
 
 Attention (``model.attn_implementation: sdpa_causal``, `use_causal_sdpa`). Rows are right-padded, so a
 causal mask alone keeps each row's padding away from its real tokens: the model can attend with SDPA's
-``is_causal`` kernels and no mask at all. transformers' own SDPA path builds a 4D mask whenever a row is
-padded, and under CUDA-graph capture always (its mask skipping is off while tracing), which sends SDPA to
-its masked memory-efficient kernels.
+``is_causal`` kernels and no mask at all. transformers' own SDPA path hands SDPA a 4D mask for padded rows
+under CUDA-graph capture (its mask skipping is off while it traces), which sends SDPA to its masked
+memory-efficient kernels.
 """
 
 from __future__ import annotations
@@ -198,13 +198,8 @@ def forward_logprobs(
     model: nn.Module, batch: TokenBatch, *, temperature: float = 1.0, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs ``[N, L-1]`` of the batch's targets (and entropies) under ``logits / T``; by the
-    model's ``_jetrl_token_logprobs`` where it has one (strict numerics: `jetrl.rollout.engine_strict`).
-
-    The rows are right-padded (`make_batch`), so the model gets no padding mask: causal attention alone keeps
-    every row's padding out of its real tokens (whose positions count from 0 either way), and the padding's
-    own outputs are read by no target. Without a mask SDPA takes its causal FlashAttention kernels rather than
-    the masked memory-efficient ones (on the H200 those took 30% of an 8B-class FP8 training phase)."""
-    logits = model(input_ids=batch.input_ids, use_cache=False).logits[:, :-1]
+    model's ``_jetrl_token_logprobs`` where it has one (strict numerics: `jetrl.rollout.engine_strict`)."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits[:, :-1]
     if temperature != 1.0:
         logits = logits.float() / temperature
     strict = getattr(model, "_jetrl_token_logprobs", None)
