@@ -22,8 +22,8 @@ reward is then 0, the advantages are 0 and the update changes nothing, but every
 and copy of a real step is executed.
 
     python scripts/bench_e2e.py [--tiny | --shape llama3.1-8b --layers 8] [--prompts 32 --samples 8
-                                --max-tokens 512] [--steps 3] [--micro-batch-tokens N] [--fuse] [--cuda-graphs]
-                                [--train-cuda-graphs] [--recipes jetrl-unified,bf16] [--commit SHA]
+                                --max-tokens 512] [--min-tokens N] [--steps 3] [--micro-batch-tokens N] [--fuse]
+                                [--cuda-graphs] [--train-cuda-graphs] [--recipes jetrl-unified,bf16] [--commit SHA]
                                 [--engine-ops hf --numerics hf,strict] [--profile-rollout] [--profile-train]
                                 [--out DIR]
     python scripts/bench_e2e.py --merge A.json B.json [--out DIR] [--note TEXT]
@@ -35,6 +35,10 @@ and with the strict numerics (``model.numerics=strict``, runs keyed ``<recipe>-s
 adds, per run, the engine alone in the trainer's process after the timed steps (`rollout_probe`: a step's
 generate timed, one of ``--profile-tokens`` tokens profiled as ``bench_rollout.py --profile`` does);
 ``--profile-train`` one more training phase profiled (`train_profile`: wall vs GPU-busy, the top kernels).
+Every response runs to its budget (ignore_eos); ``--min-tokens N`` draws each prompt's budget from [N,
+--max-tokens] (`vary_response_lengths`), so that micro-batches differ in width as in RL, where the training
+graphs pad each to its width bucket and eager mode does not (``batch/pad_frac`` per step: the share of the
+update pass's computed token slots that are padding).
 
 Writes ``e2e-<device>.json`` (device name, torch/triton/vllm versions, date, the config, every step's
 times and the medians, each run's GPU memory after its timed steps) to ``--out`` (default
@@ -142,6 +146,8 @@ def run_one(args) -> dict:
     tr = Trainer(cfg, overwrite=True, log=lambda *a: print(*a, file=sys.stderr))
     try:
         tr.setup()
+        if args.min_tokens is not None:
+            vary_response_lengths(tr.engine, args.min_tokens, args.seed)
         quant, engine_start = tr.engine.quantization, tr.engine.start_seconds
         rows = []
         for s in range(1, cfg.run.steps + 1):
@@ -157,7 +163,7 @@ def run_one(args) -> dict:
         train_prof = train_profile(tr, cfg.run.steps + 1) if args.profile_train else None
     finally:
         tr.close()
-    keep = (*TIMES, "time/step_s", "sync/bytes", "response/length_mean")
+    keep = (*TIMES, "time/step_s", "sync/bytes", "response/length_mean", "batch/pad_frac")
     return {
         "recipe": args.one,
         "numerics": args.numerics,
@@ -171,6 +177,23 @@ def run_one(args) -> dict:
         **({"rollout_probe": probe} if probe is not None else {}),
         **({"train_profile": train_prof} if train_prof is not None else {}),
     }
+
+
+def vary_response_lengths(engine, low: int, seed: int) -> None:
+    """``--min-tokens``: from now on each of `engine`'s generates gives prompt i a response budget drawn
+    uniformly from ``[low, max_tokens]`` (one seeded stream, so every recipe's run draws the same budgets at the
+    same step). With ignore_eos the responses then spread in length as RL responses do, and micro-batches
+    differ in width: what eager mode trims and the training graphs pad up to their bucket (``batch/pad_frac``
+    counts the slots computed either way)."""
+    import random
+
+    rng = random.Random(seed)
+    generate = engine.generate
+
+    def varied(prompts, *, max_tokens: int, **kw):
+        return generate(prompts, max_tokens=[rng.randint(low, max_tokens) for _ in prompts], **kw)
+
+    engine.generate = varied
 
 
 def train_profile(tr, step: int) -> dict:
@@ -244,6 +267,7 @@ CONFIG_KEYS = (
     "prompts",
     "samples",
     "max_tokens",
+    "min_tokens",
     "steps",
     "mini_batches",
     "micro_batch_size",
@@ -258,7 +282,7 @@ CONFIG_KEYS = (
     "attn",
 )
 """The options a comparison holds fixed (recorded; `merge` refuses results that differ in them)."""
-ADDED_KEYS = {"engine_ops": "vllm", "numerics": "hf", "attn": "sdpa"}
+ADDED_KEYS = {"engine_ops": "vllm", "numerics": "hf", "attn": "sdpa", "min_tokens": None}
 """`CONFIG_KEYS` added after results were committed, with the value those older results ran with."""
 
 
@@ -272,6 +296,13 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--prompts", type=int, default=None, help="prompts per step (default 32; --tiny 16)")
     p.add_argument("--samples", type=int, default=8, help="samples per prompt")
     p.add_argument("--max-tokens", type=int, default=None, help="response tokens (default 512; --tiny 16)")
+    p.add_argument(
+        "--min-tokens",
+        type=int,
+        default=None,
+        help="vary the responses: each prompt's budget drawn uniformly from [this, --max-tokens] (default: all "
+        "--max-tokens)",
+    )
     p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
     p.add_argument("--mini-batches", type=int, default=2)
     p.add_argument("--micro-batch-size", type=int, default=None, help="sequences per forward (default 8; --tiny 64)")
@@ -365,6 +396,8 @@ def parse_args(argv: list[str] | None):
         p.error(f"--profile-tokens {args.profile_tokens} must be >= 1")
     args.prompts = args.prompts or (16 if args.tiny else 32)
     args.max_tokens = args.max_tokens or (16 if args.tiny else 512)
+    if args.min_tokens is not None and not 1 <= args.min_tokens <= args.max_tokens:
+        p.error(f"--min-tokens {args.min_tokens} must be in [1, --max-tokens {args.max_tokens}]")
     args.micro_batch_size = args.micro_batch_size or (64 if args.tiny else 8)
     if args.tiny and (args.shape != "qwen3-0.6b" or args.layers is not None):
         p.error("--tiny is its own model: drop --shape / --layers")
@@ -392,6 +425,8 @@ def summarize(out: dict) -> dict:
         table[r] = {k: _median(steps, k) for k in keys}
         table[r]["sync/bytes"] = steps[-1]["sync/bytes"]
         table[r]["response/length_mean"] = steps[-1]["response/length_mean"]
+        if all("batch/pad_frac" in s for s in steps):
+            table[r]["batch/pad_frac"] = _median(steps, "batch/pad_frac")
     out["median"] = table
     for name in ("unified_over_bf16", "strict_over_hf"):
         out.pop(name, None)
@@ -431,6 +466,9 @@ def print_table(out: dict) -> None:
                     else ""
                 )
             )
+        if (pad := out["median"].get(r, {}).get("batch/pad_frac")) is not None:
+            length = out["median"][r]["response/length_mean"]
+            print(f"{r} update: {pad:.1%} of the computed token slots are padding (mean response {length:.0f})")
         if (pr := run.get("rollout_probe")) is not None:
             p = pr["profile"]
             print(

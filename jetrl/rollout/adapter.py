@@ -29,7 +29,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -449,16 +449,23 @@ class Engine:
         n: int = 1,
         temperature: float = 1.0,
         top_p: float = 1.0,
-        max_tokens: int,
+        max_tokens: int | Sequence[int],
         seed: int | None = None,
         ignore_eos: bool = False,
     ) -> list[Sample]:
         """Sample `n` completions per prompt; returns them prompt-major (prompt 0's n samples first).
-        Prompt i is sampled with seed ``seed + i`` (None: unseeded)."""
+        Prompt i is sampled with seed ``seed + i`` (None: unseeded) and a response budget of `max_tokens`, or
+        of ``max_tokens[i]`` when it is a sequence (one per prompt)."""
         from vllm import SamplingParams
 
         if self._asleep:
             raise RuntimeError("Engine.generate: the engine is asleep; call wake() first")
+        budgets = [max_tokens] * len(prompt_token_ids) if isinstance(max_tokens, int) else list(max_tokens)
+        if len(budgets) != len(prompt_token_ids):
+            raise ValueError(f"Engine.generate: {len(budgets)} max_tokens for {len(prompt_token_ids)} prompts")
+        for i, b in enumerate(budgets):
+            if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+                raise ValueError(f"Engine.generate: max_tokens[{i}]={b!r}; each budget must be an integer >= 1")
         # One seed per prompt (seed + i): vLLM seeds each request's generator, so a shared seed would
         # draw the same random numbers for every prompt.
         params = [
@@ -466,7 +473,7 @@ class Engine:
                 n=n,
                 temperature=temperature,
                 top_p=top_p,
-                max_tokens=max_tokens,
+                max_tokens=budgets[i],
                 seed=None if seed is None else seed + i,
                 logprobs=0,  # the sampled token's log-prob only
                 ignore_eos=ignore_eos,

@@ -273,9 +273,14 @@ class GraphedLogprobs:
 
         reset_nonfinite()
 
+    def bucket_of(self, rows: int, width: int) -> tuple[int, int]:
+        """The bucket ``(R, W)`` a micro-batch of `rows` sequences `width` tokens wide replays in: the
+        ``R x W`` token slots the GPU computes for it."""
+        return bucket_shape(rows, width, **self._limits)
+
     def _bucket(self, sub: TokenBatch, width: int) -> tuple[int, int]:
         rows = sub.input_ids.shape[0]
-        key = bucket_shape(rows, width, **self._limits)
+        key = self.bucket_of(rows, width)
         if key not in self._graphs:
             raise RuntimeError(
                 f"cuda graphs: no graph was captured for bucket {key} (rows {rows}, width {width}); the buckets "

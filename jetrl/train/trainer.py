@@ -550,7 +550,9 @@ class Trainer:
                     t = sub.mask.shape[1]
                     n_micro += 1
                     real_slots += sum(lengths[i] for i in mb)
-                    padded_slots += len(mb) * width
+                    # the token slots computed: a graph computes its whole bucket
+                    rows, cols = (len(mb), width) if self.graphed is None else self.graphed.bucket_of(len(mb), width)
+                    padded_slots += rows * cols
                     if self.graphed is not None:
                         lp = self.graphed(sub, width)
                     else:

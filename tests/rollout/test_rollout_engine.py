@@ -175,6 +175,19 @@ def test_sleep_is_refused_with_the_reason_on_cpu(setups):
         engine.sleep()
 
 
+def test_generate_takes_a_budget_per_prompt(setups):
+    engine, tok = setups["bf16"][2], CharTokenizer()
+    prompts = [tok.encode(p) for p in PROMPTS[:3]]
+    samples = engine.generate(prompts, n=2, max_tokens=[2, 5, 3], seed=0, ignore_eos=True)
+    assert [len(s.response_ids) for s in samples] == [2, 2, 5, 5, 3, 3]
+    assert all(len(s.response_logprobs) == len(s.response_ids) for s in samples)
+    with pytest.raises(ValueError, match="2 max_tokens for 3 prompts"):
+        engine.generate(prompts, max_tokens=[2, 5])
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match=rf"max_tokens\[1\]={bad!r}; each budget must be an integer >= 1"):
+            engine.generate(prompts, max_tokens=[2, bad, 3])
+
+
 def test_rollout_linear_outputs_equal_the_trainers_bitwise(setups):
     """Parity chain, Linear level: every jetrl_fp8 Linear call in vLLM equals the trainer's JetFP8Linear
     on the same input, byte for byte (fused outputs = the parts' outputs concatenated)."""

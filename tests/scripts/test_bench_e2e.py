@@ -130,22 +130,51 @@ def test_strict_and_hf_runs_of_a_recipe_give_the_strict_cost(bench, tmp_path, ca
 
 
 def test_merge_reads_older_results_without_the_later_options(bench, tmp_path):
-    """The committed result predates engine_ops / numerics: it ran with their defaults, so it merges with a
-    new run of those defaults and is refused beside a strict one."""
-    import json
-    from pathlib import Path
+    """A result written before an option existed ran with the value `ADDED_KEYS` gives it: it merges with a
+    new run of that value and is refused beside one of another (strict numerics, varied response lengths)."""
 
-    old = json.loads((Path(bench.__file__).parent / "results" / "e2e-nvidia-h200.json").read_text())
-    assert not {"engine_ops", "numerics"} & set(old["config"])
-    bf16 = {**old, "runs": {"bf16": old["runs"]["bf16"]}}
-    unified = {**old, "runs": {"jetrl-unified": old["runs"]["jetrl-unified"]}}
-    a, b, c = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
-    a.write_text(json.dumps(bf16))
-    b.write_text(json.dumps({**unified, "config": {**old["config"], "engine_ops": "vllm", "numerics": "hf"}}))
-    c.write_text(json.dumps({**unified, "config": {**old["config"], "engine_ops": "hf", "numerics": "strict"}}))
-    assert set(bench.merge([a, b])["runs"]) == {"bf16", "jetrl-unified"}
+    def older(recipe, **config):
+        part = _part(bench, recipe, [1.0, 2.0])
+        part["config"] = {k: v for k, v in part["config"].items() if k not in bench.ADDED_KEYS} | config
+        return part
+
+    paths = {n: tmp_path / f"{n}.json" for n in ("old", "same", "strict", "varied")}
+    paths["old"].write_text(json.dumps(older("bf16")))
+    paths["same"].write_text(json.dumps(older("jetrl-unified", engine_ops="vllm", numerics="hf", min_tokens=None)))
+    paths["strict"].write_text(json.dumps(older("jetrl-unified", engine_ops="hf", numerics="strict")))
+    paths["varied"].write_text(json.dumps(older("jetrl-unified", min_tokens=256)))
+    assert set(bench.merge([paths["old"], paths["same"]])["runs"]) == {"bf16", "jetrl-unified"}
     with pytest.raises(SystemExit, match="config engine_ops='hf', not 'vllm'"):
-        bench.merge([a, c])
+        bench.merge([paths["old"], paths["strict"]])
+    with pytest.raises(SystemExit, match="config min_tokens=256, not None"):
+        bench.merge([paths["old"], paths["varied"]])
+
+
+def test_min_tokens_draws_each_prompts_budget_the_same_in_every_run(bench, capsys):
+    """--min-tokens: each generate gives every prompt its own budget in [min, max_tokens], the same draws in each
+    recipe's run (one seeded stream per run)."""
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--max-tokens", "64", "--min-tokens", "65"])
+    assert "--min-tokens 65 must be in [1, --max-tokens 64]" in capsys.readouterr().err
+
+    class Engine:
+        def __init__(self):
+            self.budgets = []
+
+        def generate(self, prompts, *, max_tokens, n=1):
+            assert len(max_tokens) == len(prompts)
+            self.budgets.append(max_tokens)
+
+    runs = []
+    for _ in range(2):
+        engine = Engine()
+        bench.vary_response_lengths(engine, 16, seed=0)
+        engine.generate([[1]] * 8, max_tokens=64, n=2)
+        engine.generate([[1]] * 8, max_tokens=64)
+        runs.append(engine.budgets)
+    assert runs[0] == runs[1] and runs[0][0] != runs[0][1]
+    drawn = runs[0][0] + runs[0][1]
+    assert all(16 <= b <= 64 for b in drawn) and len(set(drawn)) > 4
 
 
 def test_a_run_records_its_set_up_split(bench, monkeypatch, tmp_path):
