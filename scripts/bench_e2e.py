@@ -63,7 +63,7 @@ from pathlib import Path
 
 import benchmeta
 from profiling import profile_cuda
-from shape_model import SHAPES, shape_config, write_shape_model
+from shape_model import SHAPES, reusable_model_dir, shape_config, write_shape_model
 
 RECIPES = ("jetrl-unified", "bf16")
 NUMERICS = ("hf", "strict")
@@ -577,9 +577,9 @@ def main(argv: list[str] | None = None) -> int:
     path = result_path(out, Path(args.out))
     logdir = Path(args.out) / "e2e-logs"  # written as the children run: a run cut off still leaves its log
     logdir.mkdir(parents=True, exist_ok=True)
+    name = f"tiny-s{args.seed}" if args.tiny else f"{args.shape}-l{args.layers}-s{args.seed}"
+    model_path = reusable_model_dir(name, lambda d: _make_model(d, args.tiny, args.seed, args.shape, args.layers))
     with tempfile.TemporaryDirectory() as tmp:
-        model_path = Path(tmp) / "model"
-        _make_model(model_path, args.tiny, args.seed, args.shape, args.layers)
         for recipe, numerics in [(r, n) for r in args.recipes for n in args.numerics.split(",")]:
             key = run_key(recipe, numerics)
             res, log = logdir / f"{key}.json", logdir / f"{key}.log"

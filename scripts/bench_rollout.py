@@ -45,6 +45,7 @@ from pathlib import Path
 
 import benchmeta
 from profiling import profile_cuda, profile_host
+from shape_model import reusable_model_dir
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
@@ -136,9 +137,8 @@ def _model_dir(args, tmp: Path) -> tuple[Path, int]:
         from jetrl.tiny import save_tiny_checkpoint
 
         return save_tiny_checkpoint(tmp / "tiny", seed=0), 78
-    d = tmp / "llama-8b-shape"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(_model_config(args), indent=2))
+    config = json.dumps(_model_config(args), indent=2)
+    d = reusable_model_dir(f"llama-8b-shape-l{args.layers}", lambda d: (d / "config.json").write_text(config))
     return d, LLAMA_8B["vocab_size"]
 
 

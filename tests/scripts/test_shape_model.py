@@ -75,3 +75,23 @@ def test_written_model_loads_offline_with_its_architecture_and_every_id_decodes(
     assert ids == tok.encode_chat(messages)  # also for Qwen2Tokenizer, which transformers forces on qwen2
     assert hf.eos_token == "<|im_end|>" and hf.eos_token_id == model.config.eos_token_id
     assert hf.model_max_length == model.config.max_position_embeddings
+
+
+def test_a_reusable_model_dir_is_written_once_at_a_fixed_path(sm, monkeypatch, tmp_path):
+    """vLLM's compile cache keys on the model path: a benchmark's model keeps one path and is written once; a
+    folder left half-written (no marker) is written again."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    writes = []
+
+    def write(d):
+        writes.append(d.name)
+        (d / "config.json").write_text("{}")
+
+    first = sm.reusable_model_dir("m-l2-s0", write)
+    assert first == tmp_path / "jetrl-bench-models" / "m-l2-s0" and (first / "config.json").is_file()
+    assert sm.reusable_model_dir("m-l2-s0", write) == first and len(writes) == 1
+    (first / ".complete").unlink()  # as if a run had died while writing
+    assert sm.reusable_model_dir("m-l2-s0", write) == first and len(writes) == 2
+    assert sorted(p.name for p in first.parent.iterdir()) == ["m-l2-s0"]  # no partial folder left
