@@ -34,6 +34,9 @@ cat > "$root/env.sh" <<ENV
 export PYTHONPATH=$site:\${PYTHONPATH:-}
 export CUDA_HOME=$(dirname "$(dirname "$nvcc_bin")")
 export VLLM_USE_FLASHINFER_SAMPLER=0
+# every JIT cache under one folder, which third_party/jit_cache_device.sh carries from lease to lease
+export VLLM_CACHE_ROOT=/tmp/jetrl-cache/vllm TRITON_CACHE_DIR=/tmp/jetrl-cache/triton
+export TORCHINDUCTOR_CACHE_DIR=/tmp/jetrl-cache/inductor DG_JIT_CACHE_DIR=/tmp/jetrl-cache/deep_gemm
 # jetrl itself, editable from the repo root this is sourced in (each call gets a fresh copy of the
 # tree), so vLLM's plugin entry point (vllm.general_plugins) finds jetrl_fp8 in worker processes too
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
