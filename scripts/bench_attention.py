@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import warnings
 from pathlib import Path
@@ -187,12 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         args.width = min(args.width, 64)
     result = run(args)
-    dev = (
-        "cpu"
-        if result["device"].startswith("CPU ")
-        else re.sub(r"[^a-z0-9]+", "-", result["device"].lower()).strip("-")
+    out = Path(
+        args.out or Path(__file__).parent / "results" / f"attention-{benchmeta.device_tag(result['device'])}.json"
     )
-    out = Path(args.out or Path(__file__).parent / "results" / f"attention-{dev}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result))

@@ -54,7 +54,6 @@ import argparse
 import datetime
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -512,7 +511,7 @@ def result_path(out: dict, folder: Path) -> Path:
     """``folder/e2e-[<shape>-l<layers>-][strict-]<gpu|cpu>.json`` (no shape part for the 0.6B and tiny models; the
     strict part where a run has the strict numerics; a CPU's `benchmeta.device_name` starts with "CPU")."""
     device = out["device"]
-    tag = "cpu" if device.startswith("CPU ") else re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+    tag = benchmeta.device_tag(device)
     shape = out["shape"]
     name = "" if shape is None or shape["name"] == "qwen3-0.6b" else f"{shape['name']}-l{shape['layers']}-"
     if "strict" in (out["config"].get("numerics") or "hf").split(","):

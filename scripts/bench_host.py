@@ -39,10 +39,10 @@ import json
 import os
 import platform
 import pstats
-import re
 import statistics
 import time
 
+import benchmeta
 import torch
 import triton
 
@@ -233,7 +233,7 @@ def main() -> None:
         "cuda_api": api,
     }
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "host-" + re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") + ".json")
+    path = os.path.join(args.out, f"host-{benchmeta.device_tag(gpu)}.json")
     with open(path, "w") as f:
         json.dump(res, f, indent=1)
     print(f"wrote {path}")

@@ -28,8 +28,8 @@ import importlib
 import itertools
 import json
 import os
-import re
 
+import benchmeta
 import torch
 import triton
 from triton.testing import do_bench
@@ -374,7 +374,7 @@ def main() -> None:
     sweep = [r for m, k in sweep_shapes for r in _sweep(m, k, sweep_kernels)]
 
     os.makedirs(args.out, exist_ok=True)
-    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    slug = benchmeta.device_tag(gpu)
     path = os.path.join(args.out, f"kernels-{slug}.json")
     # one file per GPU: a table run replaces the table, a sweep run adds its rows under a new label
     result = {}

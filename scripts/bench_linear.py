@@ -37,10 +37,10 @@ import datetime
 import json
 import math
 import os
-import re
 import statistics
 import time
 
+import benchmeta
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -620,7 +620,7 @@ def main(argv=None) -> int:
     path = args.out or os.path.join(
         os.path.dirname(os.path.abspath(__file__)),
         "results",
-        "linear-" + re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") + ("-smoke" if args.smoke else "") + ".json",
+        f"linear-{benchmeta.device_tag(gpu)}{'-smoke' if args.smoke else ''}.json",
     )
     print(f"# {gpu} | torch {res['torch']} | triton {res['triton']} | deep_gemm {res['deep_gemm']}")
     print(f"# backend {backend.name} | quantize paths {res['quantize_paths']} | cuda graphs {graphs}")

@@ -6,11 +6,12 @@ from __future__ import annotations
 import datetime
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["versions", "device_name", "commit", "command", "meta"]
+__all__ = ["versions", "device_name", "device_tag", "commit", "command", "meta"]
 
 
 def versions(extra: tuple[str, ...] = ()) -> dict:
@@ -33,6 +34,14 @@ def device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
     return f"CPU {platform.processor() or platform.machine()} x{os.cpu_count()}"
+
+
+def device_tag(device: str) -> str:
+    """A result file's device part: ``cpu`` for a `device_name` of a CPU, else the GPU's name in lower case with
+    every run of other characters made one ``-`` (``NVIDIA H200`` -> ``nvidia-h200``)."""
+    if device.startswith("CPU "):
+        return "cpu"
+    return re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
 
 
 def commit(given: str | None = None) -> str:
