@@ -7,7 +7,8 @@ a device flag that `check_nonfinite()` (call once per step) turns into the same 
 and the tensor.
 
 Ops (one file each): `quantize_1x128`, `quantize_128x128`, `transpose_quantize` /
-`transpose_requantize`, `rmsnorm_quant` / `rmsnorm_backward`, `swiglu_quant` / `swiglu_backward`.
+`transpose_requantize`, `rmsnorm_quant` / `rmsnorm_backward`, `swiglu_quant` / `swiglu_backward`, and `rope`
+(transformers' rotary embedding, not FP8: the trainer-matched rollout engine's RoPE).
 Not an op: `jetrl.kernels.digest`, the weight sync's byte digest (`jetrl.rollout.sync.tensor_digest`).
 """
 
@@ -28,6 +29,7 @@ else:
         torch_rmsnorm_backward,
         torch_rmsnorm_quant,
     )
+    from .rope import rope, rope_table, torch_rope
     from .swiglu_quant import swiglu_backward, swiglu_quant, torch_swiglu_backward, torch_swiglu_quant
     from .transpose_quantize import (
         torch_transpose_quantize,
@@ -56,4 +58,7 @@ else:
         "torch_swiglu_quant",
         "swiglu_backward",
         "torch_swiglu_backward",
+        "rope",
+        "rope_table",
+        "torch_rope",
     ]

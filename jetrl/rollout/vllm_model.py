@@ -19,8 +19,10 @@ vLLM's:
   (``model.fuse_producers``), whose Triton kernel has one row configuration for any number of rows;
 - the MLP's SiLU-and-mul: ``act_fn(gate) * up`` (transformers' activation) or `jetrl.kernels.swiglu_quant`;
 - Qwen3's per-head ``q_norm`` / ``k_norm`` and the final ``norm``: `hf_rms_norm`;
-- the rotary embedding: transformers' own rotary module of the architecture (its cos/sin from the
-  same config, rope scaling included) applied by transformers' ``apply_rotary_pos_emb``.
+- the rotary embedding: transformers' ``apply_rotary_pos_emb`` of transformers' own rotary module's cos/sin
+  (same config, rope scaling included) as `jetrl.kernels.rope`, one kernel on CUDA bit-equal to
+  transformers' eager ops, reading a cos/sin table the module computed once for the engine's positions
+  (`jetrl.kernels.rope_table`; the rope types whose frequencies follow the sequence length are refused).
 
 Each runs inside an opaque ``jetrl::engine_*`` torch op, so vLLM's torch.compile cannot re-fuse it
 and CUDA graphs capture it as is. Attention (vLLM's paged kernels against the trainer's SDPA) and
@@ -75,9 +77,9 @@ _PREFIX = "Jetrl"
 _ROTARY: dict[str, nn.Module] = {}
 """Key -> transformers rotary module, read by ``jetrl::engine_rope`` (a module is not an op argument). The
 module is also a submodule of the vLLM model that installed it (``model.jetrl_rotary``), so that its
-``inv_freq`` buffer is one of the model's buffers: vLLM's level-2 sleep (verl's, between rollouts) discards
-the weights' memory and restores only the model's own buffers. The newest model of a key owns the entry
-(every model of one key computes the same cos/sin)."""
+buffers (``inv_freq``, the cos/sin table ``jetrl_table``) are the model's buffers: vLLM's level-2 sleep
+(verl's, between rollouts) discards the weights' memory and restores only the model's own buffers. The
+newest model of a key owns the entry (every model of one key computes the same cos/sin)."""
 
 
 def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -200,17 +202,19 @@ def _(gate_up, act, fused, name):
 def _rope(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: int, key: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' rotary embedding (the registered module's cos/sin, ``apply_rotary_pos_emb``) of
-    vLLM's flat ``[T, heads * head_dim]`` q and k at `positions`."""
-    rot = _ROTARY[key]
+    """transformers' rotary embedding (``apply_rotary_pos_emb`` of the registered module's cos/sin, through
+    `jetrl.kernels.rope` and the module's table) of vLLM's flat ``[T, heads * head_dim]`` q and k at
+    `positions`."""
+    from jetrl.kernels import rope
+
+    table = _ROTARY[key].jetrl_table
     t = positions.numel()
     if q.shape[0] != t or k.shape[0] != t:
         raise ValueError(f"jetrl::engine_rope: {t} positions for q {tuple(q.shape)} and k {tuple(k.shape)}")
-    q3 = q.reshape(t, -1, head_dim)
-    k3 = k.reshape(t, -1, head_dim)
-    cos, sin = rot(q3, positions.reshape(1, t))
-    q3, k3 = rot.jetrl_apply(q3, k3, cos[0], sin[0], unsqueeze_dim=1)
-    return q3.reshape(q.shape), k3.reshape(k.shape)
+    pos = positions.reshape(t)
+    q2 = rope(q.reshape(t, -1), table, pos, head_dim, name=f"{key}:q")
+    k2 = rope(k.reshape(t, -1), table, pos, head_dim, name=f"{key}:k")
+    return q2.view(q.shape), k2.view(k.shape)
 
 
 @_rope.register_fake
@@ -279,21 +283,36 @@ class _Rope(nn.Module):
         return _rope(positions, q, k, self.head_dim, self.key)
 
 
-def _hf_rotary(hf_config, model_type: str, device: torch.device) -> nn.Module:
+def _hf_rotary(hf_config, model_type: str, device: torch.device, positions: int, dtype: torch.dtype) -> nn.Module:
     """transformers' rotary module of `model_type` for `hf_config`, built on the CPU as transformers
-    builds it at load, then moved to `device`; carries the modeling file's ``apply_rotary_pos_emb``."""
+    builds it at load, then moved to `device`, with its cos/sin for `positions` positions in `dtype` as the
+    buffer ``jetrl_table`` (`jetrl.kernels.rope_table`)."""
+    from jetrl.kernels import rope_table
+
     modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     cls = next(getattr(modeling, n) for n in dir(modeling) if n.endswith("RotaryEmbedding") and n[0].isupper())
     with torch.device("cpu"):
         rot = cls(config=hf_config)
     rot = rot.to(device)
-    rot.jetrl_apply = modeling.apply_rotary_pos_emb
+    table = rope_table(rot, positions, dtype, name=f"{model_type} rotary embedding (engine_ops hf/fused)")
+    rot.register_buffer("jetrl_table", table, persistent=False)
     return rot
 
 
-def install_trainer_ops(model: nn.Module, hf_config, ops: str, model_type: str) -> list[str]:
+def install_trainer_ops(
+    model: nn.Module,
+    hf_config,
+    ops: str,
+    model_type: str,
+    *,
+    max_positions: int | None = None,
+    dtype: torch.dtype | None = None,
+) -> list[str]:
     """Swap the ops between the Linears of a constructed vLLM decoder (`model` = its ``.model``) for the
-    trainer's (module docstring); returns the replaced module names. Raises naming what is missing."""
+    trainer's (module docstring); returns the replaced module names. `max_positions` (the engine's
+    max_model_len; default the config's max_position_embeddings) and `dtype` (the engine's; default the
+    default dtype, which vLLM sets while it builds a model) size the RoPE table. Raises naming what is
+    missing."""
     if ops not in ("hf", "fused"):
         raise ValueError(f"install_trainer_ops: ops={ops!r}; choose 'hf' or 'fused'")
     fused = ops == "fused"
@@ -309,9 +328,11 @@ def install_trainer_ops(model: nn.Module, hf_config, ops: str, model_type: str) 
         raise ValueError(f"engine_ops={ops!r}: {type(model).__name__} has no layers/norm")
     device = next(model.parameters()).device
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    positions = int(max_positions or hf_config.max_position_embeddings)
+    dtype = dtype or torch.get_default_dtype()
     # a key fixed by what the module computes: vLLM's compile cache may reuse a graph across processes
     rope = {a: getattr(hf_config, a, None) for a in ("rope_parameters", "rope_scaling", "rope_theta")}
-    rot_key = f"{model_type}:{head_dim}:{hf_config.max_position_embeddings}:{rope}:{device}"
+    rot_key = f"{model_type}:{head_dim}:{hf_config.max_position_embeddings}:{rope}:{positions}:{dtype}:{device}"
     done: list[str] = []
     for i, layer in enumerate(layers):
         if not hasattr(layer, "self_attn"):  # a pipeline stage's placeholder
@@ -343,7 +364,7 @@ def install_trainer_ops(model: nn.Module, hf_config, ops: str, model_type: str) 
             hf_config.hidden_act, fused=fused, name=f"{name}.mlp.down_proj:input", handoff=handoff(down)
         )
         done += [f"{name}.self_attn.rotary_emb", f"{name}.mlp.act_fn"]
-    model.jetrl_rotary = _ROTARY[rot_key] = _hf_rotary(hf_config, model_type, device)
+    model.jetrl_rotary = _ROTARY[rot_key] = _hf_rotary(hf_config, model_type, device, positions, dtype)
     model.norm = _ResidualNorm(model.norm, fused=False, name="model.norm")
     done.append("model.norm")
     return done
@@ -360,7 +381,10 @@ def _model_class(arch: str):
         if ops not in ("hf", "fused"):
             raise ValueError(f"{_PREFIX}{arch}: hf_config.jetrl_ops={ops!r}; start it with engine_overrides()")
         self.jetrl_ops = ops
-        self.jetrl_replaced = install_trainer_ops(self.model, cfg, ops, model_type)
+        mc = vllm_config.model_config
+        self.jetrl_replaced = install_trainer_ops(
+            self.model, cfg, ops, model_type, max_positions=mc.max_model_len, dtype=mc.dtype
+        )
 
     return type(f"{_PREFIX}{arch}", (base,), {"__init__": __init__, "__module__": __name__})
 

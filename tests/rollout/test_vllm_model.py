@@ -69,7 +69,8 @@ def test_rope_is_transformers_rotary_embedding():
 
     cfg = tiny_qwen3_config()
     hd, h, hkv, t = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, 11
-    rot = vm._hf_rotary(cfg, "qwen3", torch.device("cpu"))
+    rot = vm._hf_rotary(cfg, "qwen3", torch.device("cpu"), 64, torch.bfloat16)
+    assert rot.jetrl_table.shape == (2, 64, hd)
     vm._ROTARY["test"] = rot
     q, k = _bf16(t, h * hd, seed=6), _bf16(t, hkv * hd, seed=7)
     pos = torch.arange(3, 3 + t)
@@ -265,6 +266,7 @@ def test_rotary_state_survives_a_level_2_sleep(tmp_path):
             for name, mod in model.named_modules():
                 if type(mod).__name__.endswith("RotaryEmbedding"):
                     mod.inv_freq.fill_(float("nan"))
+                    mod.jetrl_table.fill_(float("nan"))  # what jetrl::engine_rope reads
                     box.setdefault("rotary", []).append(name)
 
     def wake_up(model):
@@ -281,5 +283,5 @@ def test_rotary_state_survives_a_level_2_sleep(tmp_path):
     finally:
         engine.close()
     assert box["rotary"] == ["model.jetrl_rotary"]
-    assert any(n.endswith("inv_freq") for n in box["saved"])
+    assert {"model.jetrl_rotary.inv_freq", "model.jetrl_rotary.jetrl_table"} <= set(box["saved"])
     assert after == before
