@@ -120,10 +120,17 @@ def _check(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, head_d
 
 
 def launch_rope(
-    x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, head_dim: int, name: str = "x", block_h: int = 4
+    x: torch.Tensor,
+    table: torch.Tensor,
+    positions: torch.Tensor,
+    head_dim: int,
+    name: str = "x",
+    block_h: int = 4,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """Rotate the ``[T, H * head_dim]`` rows of `x` (last-dim stride 1, any row stride) at `positions`
-    ``[T]`` with `table` ``[2, P, head_dim]`` (`rope_table`); returns a contiguous ``[T, H * head_dim]``."""
+    ``[T]`` with `table` ``[2, P, head_dim]`` (`rope_table`); returns a contiguous ``[T, H * head_dim]``.
+    `block_h` heads per program and `num_warps` change speed only (`scripts/bench_kernels.py --sweep`)."""
     _check(x, table, positions, head_dim, name)
     t, width = x.shape
     out = torch.empty((t, width), dtype=x.dtype, device=x.device)
@@ -143,6 +150,7 @@ def launch_rope(
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_H=block_h,
         MODE=_MODES[x.dtype],
+        num_warps=num_warps,
         enable_fp_fusion=False,
     )
     return out

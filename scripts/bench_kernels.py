@@ -6,7 +6,8 @@ time, and prints a table with the device-to-device copy of an ``[M, K]`` bf16 te
 same run, the eager torch reference (`jetrl.kernels.torch_<op>`) and the goals of issue 3:
 quantize kernels and rmsnorm+quant >= 80% of copy (3.4 TB/s on an H200), transpose-quantize >=
 2.5 TB/s, swiglu+quant >= 75% of copy; also the weight sync's digest (`jetrl.kernels.digest`: bytes
-read only, no goal; eager = the torch definition). Each kernel (and the copy) is timed twice: one call at a time
+read only, no goal; eager = the torch definition) and the trainer-matched engine's RoPE (`jetrl.kernels.rope`, rows
+of 128-wide heads, no goal; eager = its torch reference). Each kernel (and the copy) is timed twice: one call at a time
 (``gbps``), and launched back to back over rotating input sets larger than L2, replayed from a CUDA
 graph (``graph_gbps``: the launch gap that a single ~20 us call pays is gone, as inside a training
 step); the goals are judged for each timing against the copy timed the same way.
@@ -40,10 +41,11 @@ from jetrl.quant import ceil_div
 from jetrl.rollout.sync import DIGEST_K
 
 # the op modules (jetrl.kernels re-exports functions of the same names, so import the modules by path)
-q1, q128, rq, sq, tq = (
+q1, q128, rq, sq, tq, rp = (
     importlib.import_module(f"jetrl.kernels.{m}")
-    for m in ("quantize_1x128", "quantize_128x128", "rmsnorm_quant", "swiglu_quant", "transpose_quantize")
+    for m in ("quantize_1x128", "quantize_128x128", "rmsnorm_quant", "swiglu_quant", "transpose_quantize", "rope")
 )
+ROPE_POSITIONS = 8192  # the cos/sin table's rows (an engine's max_model_len)
 
 MS = (4096, 16384)
 KS = (4096, 14336)
@@ -90,7 +92,10 @@ def _inputs(m: int, k: int) -> dict:
     xq, xs = K.quantize_1x128(x)
     _, _, _, rstd = K.rmsnorm_quant(x, w, 1e-6)
     dy = torch.randn_like(x)
-    return {"x": x, "gate": gu[:, :k], "up": gu[:, k:], "w": w, "xq": xq, "xs": xs, "rstd": rstd, "dy": dy}
+    table = torch.randn(2, ROPE_POSITIONS, 128, device=dev).to(torch.bfloat16)
+    pos = torch.randint(0, ROPE_POSITIONS, (m,), device=dev)
+    return {"x": x, "gate": gu[:, :k], "up": gu[:, k:], "w": w, "xq": xq, "xs": xs, "rstd": rstd, "dy": dy,
+            "rope_table": table, "pos": pos}  # fmt: skip
 
 
 def _cases(m: int, k: int, inp: dict):
@@ -171,6 +176,13 @@ def _cases(m: int, k: int, inp: dict):
             lambda: torch_digest(x.view(torch.int64).reshape(-1), DIGEST_K),
         ),
         (
+            "rope (engine RoPE, head_dim 128)",
+            "none",
+            2 * mk + 2 * mk + 2 * 2 * m * 128 + 8 * m,
+            lambda **c: rp.launch_rope(x, inp["rope_table"], inp["pos"], 128, **c),
+            lambda: K.torch_rope(x, inp["rope_table"], inp["pos"], 128),
+        ),
+        (
             "swiglu_backward",
             "none",
             6 * mk + 4 * mk,
@@ -207,6 +219,7 @@ SWEEPS = {
     "rmsnorm_quant": _grid(block_k=(2048, 4096, 16384), num_warps=(4, 8, 16))
     + _grid(block_m=(2, 4), block_k=(2048, 4096), num_warps=(8, 16)),
     "swiglu_quant": _grid(block_m=(8, 16, 32, 64), num_warps=(4, 8)),
+    "rope (engine RoPE, head_dim 128)": _grid(block_h=(1, 2, 4, 8, 16), num_warps=(1, 2, 4, 8)),
     "quantize_128x128": _grid(num_warps=(4, 8, 16, 32), chunk_n=(16, 32, 64, 128), k_fastest=(False, True)),
     "quantize_128x128[+T]": _grid(num_warps=(4, 8, 16), chunk_n=(32, 64, 128), k_fastest=(False, True))
     + _grid(fused_t=(False,), t_block=(32, 64, 128), t_warps=(2, 4, 8)),

@@ -129,6 +129,9 @@ def interp_results():
         pos = torch.randint(0, 40, (t,), generator=g)
         pos[0] = 39
         calls.append(("rope", "launch_rope", (_rows(t, h, hd, dtype, i, extra), table, pos, hd), {}))
+    # launch options (speed only): the first case again with other head blocks and warps
+    for opts in ({"block_h": 1, "num_warps": 1}, {"block_h": 8, "num_warps": 8}):
+        calls.append(("rope", "launch_rope", calls[0][2], {"name": "x", **opts}))
     # positions outside the table: NaN rows, nothing read
     table = torch.ones(2, 8, 64, dtype=torch.bfloat16)
     calls.append(
@@ -146,6 +149,12 @@ def test_kernel_interpreted_is_the_reference_bitwise(interp_results, case):
     assert got.is_contiguous() and got.shape == x.shape
     assert torch.equal(got.view(torch.int16 if got.element_size() == 2 else torch.int32),
                        want.contiguous().view(torch.int16 if want.element_size() == 2 else torch.int32))  # fmt: skip
+
+
+def test_launch_options_change_no_byte(interp_results):
+    first = interp_results[0]["out"]
+    for r in interp_results[len(_INTERP) : len(_INTERP) + 2]:
+        assert torch.equal(r["out"].view(torch.int16), first.view(torch.int16))
 
 
 def test_kernel_interpreted_outside_the_table_is_nan(interp_results):

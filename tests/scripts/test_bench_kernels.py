@@ -55,10 +55,11 @@ def test_sweep_grids_use_only_launcher_options(bench):
         "swiglu_quant": set(inspect.signature(sq.launch_swiglu_quant).parameters),
         "quantize_128x128": set(inspect.signature(q128.launch_quantize_128x128).parameters),
         "quantize_128x128[+T]": set(inspect.signature(q128.launch_quantize_128x128).parameters),
+        "rope (engine RoPE, head_dim 128)": set(inspect.signature(bench.rp.launch_rope).parameters),
     }
     assert set(bench.SWEEPS) == set(takes)
     x = torch.zeros(256, 256)
-    inp = dict(x=x, gate=x, up=x, w=x[0], xq=x, xs=x, rstd=x[0], dy=x)
+    inp = dict(x=x, gate=x, up=x, w=x[0], xq=x, xs=x, rstd=x[0], dy=x, rope_table=x, pos=x[0])
     assert set(bench.SWEEPS) <= {case[0] for case in bench._cases(256, 256, inp)}  # each has a launcher
     for name, configs in bench.SWEEPS.items():
         for c in configs:
