@@ -7,8 +7,9 @@
 #
 #   device, last call of a lease:  ... && bash third_party/jit_cache_device.sh save $OUT/jit-cache
 #   here, after it:                rm -rf .device/jit-cache && cp -r FILES_AT/jit-cache .device/jit-cache
-#   device, next lease:            run(carry=[".device/jit-cache"],
-#                                      command="bash third_party/jit_cache_device.sh load .device/jit-cache")
+#   device, next lease:            run(carry=[".device/vllm-b", ".device/jit-cache"], command="bash
+#     third_party/install_vllm_device.sh .device/vllm-b && bash third_party/jit_cache_device.sh load .device/jit-cache")
+#   (vllm-a's 59 MB leave no room for the cache in a call's 64 MiB)
 #
 # A call brings back at most 8 files of 16 MiB (64 MiB in all) and carries at most 64 MiB with the repo, so
 # the cache travels as xz parts of 15 MiB, four at most; `save` refuses more and lists what is large. The
