@@ -17,8 +17,10 @@ returns for that position in any call -- for the rope types whose frequencies do
 sequence length (``dynamic`` and ``longrope`` do: `rope_table` refuses them).
 
 Why a kernel: vLLM's engine with the trainer's ops (`jetrl.rollout.vllm_model`) ran transformers' module
-and ``apply_rotary_pos_emb`` as ~15 separate elementwise kernels per layer; on the H200 at a batch of
-256 decode rows (Llama-3.1-8B shape) they took ~1.3 ms of an 11.5 ms step.
+and ``apply_rotary_pos_emb`` as separate elementwise kernels in every layer (cos / sin recomputed, then 4
+multiplies, 2 adds, 2 concatenations); on the H200 at a batch of 256 decode rows (Llama-3.1-8B shape) the
+BF16 elementwise kernels, these and the residual adds, took ~1.3 ms of an 11.5 ms GPU step
+(`scripts/results/rollout-engine-ops-nvidia-h200.json`).
 
 q / k rows may be column slices of vLLM's fused qkv output (any row stride, unit inner stride); the
 outputs are contiguous ``[T, H * D]``. A position outside ``[0, P)`` reads nothing and yields NaN rows on
