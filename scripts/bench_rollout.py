@@ -193,6 +193,7 @@ def _run_mode(args, mode, recipe, rollout, path, vocab, shapes, result) -> None:
         enforce_eager=args.enforce_eager,
         rollout=rollout,
         backend=args.backend,
+        in_process=not args.multiprocess,
         engine_ops=ENGINE_OPS.get(mode, "vllm"),
         **kw,
     )
@@ -326,6 +327,7 @@ def run(args, out: Path | None = None) -> dict:
         else f"Llama-3.1-8B shape, {args.layers} of 32 decoder layers, random weights",
         "backend": args.backend,
         "enforce_eager": args.enforce_eager,
+        "multiprocess": args.multiprocess,
         "cudagraph_capture_sizes": None if args.enforce_eager else args.capture_sizes,
         "repeats": args.repeats,
         "tok_s_note": "median of repeats; decode = prompts of input_len random ids, output_len tokens, ignore_eos",
@@ -437,6 +439,13 @@ def main(argv: list[str] | None = None) -> int:
         help="one more generate at the last shape under cProfile: the Python functions spending host time",
     )
     p.add_argument(
+        "--multiprocess",
+        action="store_true",
+        help="vLLM's engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1, as verl's rollout servers "
+        "run it): its scheduling overlaps this process's output processing; no weight sync or profiles (they need "
+        "the model in this process)",
+    )
+    p.add_argument(
         "--isolate",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -463,8 +472,16 @@ def main(argv: list[str] | None = None) -> int:
         args.enforce_eager = True
     if args.modes is None:
         args.modes = DEFAULT_MODES["cpu" if args.tiny else "gpu"]
+    if args.multiprocess and (args.profile or args.host_profile or args.sync_modes):
+        p.error("--multiprocess runs the model in vLLM's own process: no --profile, --host-profile or --sync-modes")
     if args.sync_modes is None:
-        args.sync_modes = ["bf16", "jetrl_fp8", "naive_fp8"] if args.tiny else ["jetrl_fp8"]
+        args.sync_modes = (
+            [] if args.multiprocess else ["bf16", "jetrl_fp8", "naive_fp8"] if args.tiny else ["jetrl_fp8"]
+        )
+    earlier = json.loads(Path(args.merge).read_text()) if args.merge else None
+    if earlier is not None and bool(earlier.get("multiprocess")) != args.multiprocess:
+        p.error(f"--merge {args.merge}: its engines ran with multiprocess={bool(earlier.get('multiprocess'))}, "
+                f"this run with {args.multiprocess}; their decode speeds do not compare")  # fmt: skip
     if args.isolate is None:
         args.isolate = not args.tiny and len(args.modes) > 1
     need = max((i + o for _, i, o in args.shapes or []), default=0)
@@ -474,8 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--max-model-len {args.max_model_len} is shorter than a --shapes prompt + output ({need} tokens)")
     out = Path(args.out or Path(__file__).parent / "results" / f"rollout-{'cpu' if args.tiny else 'gpu'}.json")
     result = run(args, out)
-    if args.merge:
-        earlier = json.loads(Path(args.merge).read_text())
+    if earlier is not None:
         taken = merge(result, earlier)
         result["merged_from"] = {"path": args.merge, "date": earlier.get("date"), "modes": taken}
     _save(result, out)

@@ -319,8 +319,8 @@ def create_engine(
 
     `rollout`: ``"jetrl"`` (jetrl's vLLM methods) or ``"stock"`` (`stock_vllm_settings`). `backend`:
     the `jetrl.gemm` backend of ``jetrl_fp8``. `in_process` sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
-    (needed by `Engine.apply` and the weight sync). `engine_ops` ``"hf"`` / ``"fused"`` runs the trainer's
-    ops between the Linears inside vLLM (`jetrl.rollout.vllm_model`; ``"vllm"``: vLLM's own model).
+    (needed by `Engine.apply` and the weight sync; False sets it to 1). `engine_ops` ``"hf"`` / ``"fused"``
+    runs the trainer's ops between the Linears inside vLLM (`jetrl.rollout.vllm_model`; ``"vllm"``: vLLM's own model).
     `strict`: vLLM's batch-invariant mode with `strict_engine_settings` (`jetrl.rollout.engine_strict`; CUDA,
     with ``engine_ops`` 'hf' or 'fused', so that every op is the trainer's or batch-invariant). Extra
     `kw` go to ``vllm.LLM`` (e.g. ``kv_cache_memory_bytes``, ``load_format="dummy"``,
@@ -329,9 +329,8 @@ def create_engine(
         raise ValueError(f"create_engine: rollout={rollout!r}; choose one of {ROLLOUT_MODES}")
     r = _as_recipe(recipe)
     model_path = str(model_path)
-    env: dict[str, str] = {}
-    if in_process:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # set either way: an earlier in-process engine of this process left "0" in the environment
+    env: dict[str, str] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
     args: dict[str, Any] = {"dtype": "bfloat16"}
     ckpt_qc = _checkpoint_quant_config(model_path)
     if rollout == "stock":

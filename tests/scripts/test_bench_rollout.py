@@ -58,7 +58,44 @@ def test_shapes_layers_and_profile_options(bench, monkeypatch, capsys):
         (["--tiny", "--profile"], "not --tiny"),
         (["--layers", "33"], "1 to 32 decoder layers"),
         (["--shapes", "256:16:2048", "--max-model-len", "1024"], "shorter than a --shapes prompt"),
+        (["--multiprocess", "--profile"], "--multiprocess runs the model in vLLM's own process"),
+        (["--multiprocess", "--sync-modes", "jetrl_fp8"], "no --profile, --host-profile or --sync-modes"),
     ):
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert msg in capsys.readouterr().err
+
+
+def test_multiprocess_engines_and_merges(bench, monkeypatch, tmp_path, capsys):
+    """--multiprocess starts every engine out of process and syncs none; a merge must match its setting."""
+    seen = {}
+
+    def fake_run(args, out):
+        seen.update(multiprocess=args.multiprocess, sync_modes=args.sync_modes)
+        return {"decode": {}, "sync": {}, "errors": {}, "engine_start_s": {}, "multiprocess": args.multiprocess}
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    monkeypatch.setattr(bench, "_table", lambda result: "")
+    assert bench.main(["--multiprocess", "--out", str(tmp_path / "r.json")]) == 0
+    assert seen == {"multiprocess": True, "sync_modes": []}
+    in_process = tmp_path / "old.json"
+    in_process.write_text('{"decode": {"bf16": []}}')
+    with pytest.raises(SystemExit):
+        bench.main(["--multiprocess", "--merge", str(in_process)])
+    assert "multiprocess=False, this run with True" in capsys.readouterr().err
+    # the engine gets in_process=False
+    kw = {}
+
+    class Started(Exception):
+        pass
+
+    def fake_create_engine(*a, **k):
+        kw.update(k)
+        raise Started
+
+    monkeypatch.setattr("jetrl.rollout.adapter.create_engine", fake_create_engine)
+    args = bench.argparse.Namespace(tiny=False, gpu_memory_utilization=0.4, enforce_eager=True, capture_sizes=[],
+                                    max_model_len=64, backend="auto", multiprocess=True)  # fmt: skip
+    with pytest.raises(Started):
+        bench._run_mode(args, "bf16", None, "jetrl", tmp_path, 0, [], {})
+    assert kw["in_process"] is False
