@@ -24,7 +24,7 @@ BF16 elementwise kernels, these and the residual adds, took ~1.3 ms of an 11.5 m
 
 q / k rows may be column slices of vLLM's fused qkv output (any row stride, unit inner stride); the
 outputs are contiguous ``[T, H * D]``. A position outside ``[0, P)`` reads nothing and yields NaN rows on
-the GPU (the CPU reference raises IndexError); vLLM never passes positions beyond its max_model_len, the
+the GPU (the CPU reference raises IndexError naming the row); vLLM never passes positions beyond its max_model_len, the
 length `rope_table` is built for.
 """
 
@@ -161,6 +161,12 @@ def launch_rope(
 def torch_rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, head_dim: int, name: str = "x"):
     """Reference: transformers' formula in eager torch (the module docstring), same contract as `rope`."""
     _check(x, table, positions, head_dim, name)
+    bad = (positions < 0) | (positions >= table.shape[1])
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise IndexError(
+            f"{OP}: {name} row {i} has position {int(positions[i])}, outside the table's 0..{table.shape[1] - 1}"
+        )
     x3 = x.reshape(x.shape[0], -1, head_dim)
     cos, sin = table[0][positions][:, None, :], table[1][positions][:, None, :]
     x1, x2 = x3[..., : head_dim // 2], x3[..., head_dim // 2 :]

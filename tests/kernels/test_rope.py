@@ -160,8 +160,11 @@ def test_launch_options_change_no_byte(interp_results):
 def test_kernel_interpreted_outside_the_table_is_nan(interp_results):
     out = interp_results[-1]["out"]
     assert out.isnan().all(1).tolist() == [False, True, True, False]
-    with pytest.raises(IndexError):
-        K.torch_rope(*interp_results[-1]["args"])
+    x, table, pos, hd = interp_results[-1]["args"]
+    with pytest.raises(IndexError, match="x row 1 has position 8, outside the table's 0..7"):
+        K.torch_rope(x, table, pos, hd)
+    with pytest.raises(IndexError, match="row 0 has position -1"):
+        K.rope(x[2:3], table, pos[2:3], hd)  # a negative position does not wrap around
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the compiled kernel)")
