@@ -4,12 +4,15 @@ For every ``--shapes`` entry (the models of ``recipes/models/``): a random-weigh
 config with ``--layers`` decoder layers (`shape_model.write_shape_model`, ChatML character tokenizer padded to
 the model's vocabulary: no weights or tokenizer are downloaded), a small dataset in the recipe's source format
 (arithmetic questions written as GSM8K / MATH rows) put through the recipe's own data script
-(``scripts/data/<dataset>.py --local-dir``), then the model's recipe with one GPU, vLLM TP 1 and a short
-response length for ``--steps`` steps (default 1), read back from verl's file logger like bench_verl.py.
+(``scripts/data/<dataset>.py --local-dir``), then the model's recipe with ``--ngpus`` GPUs (FSDP2 world size;
+default 1), vLLM TP ``--tp`` (default 1) and a short response length for ``--steps`` steps (default 1), read
+back from verl's file logger like bench_verl.py. The entrypoint refuses, before Ray starts, a TP whose slices
+of a shape's Linears do not fall on 128 boundaries.
 
     python scripts/bench_verl_shapes.py --out scripts/results/verl-shapes-nvidia-h200.json
     python scripts/bench_verl_shapes.py --shapes qwen2.5-7b --layers 4 --out /tmp/s.json --recipe-timeout 540
     python scripts/bench_verl_shapes.py --dry-run --out /tmp/s.json    # CPU: config + tokenizer, DRY_RUN=1
+    python scripts/bench_verl_shapes.py --shapes llama3.1-8b --ngpus 2 --tp 2 --steps 3 --out /tmp/x2.json
 
 Random weights score 0 on every prompt, so the step's advantages are 0: the step runs every FP8 GEMM, the lint,
 the weight sync and its digests, not learning. DAPO recipes run with ``algorithm.filter_groups.enable=False``
@@ -87,8 +90,8 @@ def shape_command(args, shape: str, model: Path, jsonl: Path) -> tuple[list[str]
         "MODEL_PATH": str(model),
         "DATA_DIR": str(args.work / "data"),
         "RECIPE": args.recipe,
-        "NGPUS": "1",
-        "ROLLOUT_TP": "1",
+        "NGPUS": str(args.ngpus),
+        "ROLLOUT_TP": str(args.tp),
         "RESPONSE_LEN": str(args.response_len),
         "PROMPT_LEN": "256",
         "TRAIN_BATCH": "8",
@@ -191,6 +194,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=DEFAULT_LAYERS, help=f"decoder layers (default {DEFAULT_LAYERS})")
     p.add_argument("--recipe", default="jetrl-unified", choices=("jetrl-unified", "naive-fp8-rollout", "bf16"))
     p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--ngpus", type=int, default=1, help="GPUs of the node: FSDP2 world size (default 1)")
+    p.add_argument("--tp", type=int, default=1, help="vLLM tensor-parallel size, dividing --ngpus (default 1)")
     p.add_argument("--response-len", type=int, default=256)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.25, help="vLLM's share of the GPU")
     p.add_argument("--attn", default="sdpa", help="attn_implementation (flash_attention_2 where flash-attn is)")
@@ -214,6 +219,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.shapes = comma_list(p, args.shapes, SHAPE_RECIPES, "--shapes")
     if args.steps <= 0:
         p.error(f"--steps must be > 0, got {args.steps}")
+    if args.ngpus < 1 or args.tp < 1 or args.ngpus % args.tp:
+        p.error(f"--ngpus {args.ngpus} --tp {args.tp}: both >= 1, and TP groups must tile the GPUs (tp divides ngpus)")
     for shape in args.shapes:
         try:
             shape_config(shape, args.layers)
@@ -233,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         **benchmeta.meta(args.commit, extra_versions=("verl", "ray")),
         "what": f"python -m jetrl.verl, {args.steps} GRPO step(s) per model shape through its recipe, random "
-        f"weights, recipe {args.recipe}, FSDP2 world size 1 + vLLM TP 1 colocated on one GPU, "
+        f"weights, recipe {args.recipe}, FSDP2 world size {args.ngpus} + vLLM TP {args.tp} colocated on "
+        f"{args.ngpus} GPU(s), "
         f"{args.response_len}-token responses",
         "runs": [],
     }

@@ -45,6 +45,9 @@ def test_command_is_the_model_s_recipe_on_one_gpu_with_short_responses(bench, tm
     assert "RESPONSE_LEN=128" in command and "qwen3-8b-base_math.sh" in command
     argv, _, _ = bench.shape_command(args, "llama3.1-8b", tmp_path / "m", tmp_path / "l.jsonl")
     assert argv[1].endswith("recipes/llama3.1-8b_gsm8k.sh") and "algorithm.filter_groups.enable=False" not in argv
+    args = bench.parse_args(["--out", str(tmp_path / "s.json"), "--ngpus", "2", "--tp", "2"])
+    _, env, command = bench.shape_command(args, "llama3.1-8b", tmp_path / "m", tmp_path / "l.jsonl")
+    assert (env["NGPUS"], env["ROLLOUT_TP"]) == ("2", "2") and "NGPUS=2 ROLLOUT_TP=2" in command
 
 
 @pytest.mark.parametrize(
@@ -53,6 +56,8 @@ def test_command_is_the_model_s_recipe_on_one_gpu_with_short_responses(bench, tm
         (["--shapes", "gpt2"], "gpt2"),
         (["--layers", "40", "--shapes", "llama3.1-8b"], "has 32"),
         (["--steps", "0"], "--steps"),
+        (["--ngpus", "2", "--tp", "4"], "tp divides ngpus"),
+        (["--tp", "0"], "both >= 1"),
     ],
 )
 def test_bad_options(bench, tmp_path, capsys, argv, match):
@@ -62,20 +67,23 @@ def test_bad_options(bench, tmp_path, capsys, argv, match):
 
 
 @pytest.mark.slow
-def test_dry_run_validates_a_dapo_recipe_on_the_shape_s_config(bench, tmp_path, monkeypatch):
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_dry_run_validates_a_dapo_recipe_on_the_shape_s_config(bench, tmp_path, monkeypatch, gpus):
     pytest.importorskip("verl", reason="the recipes' dry run is python -m jetrl.verl")
     # the recipes run in plain processes: without the verl tests' CPU platform (registered in this process only)
     monkeypatch.delenv("VERL_PLATFORM", raising=False)
     out = tmp_path / "s.json"
     rc = bench.main(
-        ["--dry-run", "--shapes", "qwen3-8b-base", "--layers", "2", "--out", str(out), "--work", str(tmp_path / "w")]
-    )
+        ["--dry-run", "--shapes", "qwen3-8b-base", "--layers", "2", "--out", str(out), "--work", str(tmp_path / "w"),
+         "--ngpus", str(gpus), "--tp", str(gpus)]
+    )  # fmt: skip
     (run,) = json.loads(out.read_text())["runs"]
     assert rc == 0, run.get("log_tail")
     assert run["dry_run"] and (run["layers"], run["layers_of_the_model"]) == (2, 36)
     log = (tmp_path / "s-logs" / "qwen3-8b-base.log").read_text()
     assert log.strip().splitlines()[-1].startswith("jetrl.verl dry run: configuration valid")
-    assert "n_gpus_per_node: 1" in log and "max_response_length: 256" in log
+    assert f"n_gpus_per_node: {gpus}" in log and "max_response_length: 256" in log
+    assert f"tensor_model_parallel_size: {gpus}" in log
 
 
 @pytest.mark.parametrize(("shape", "builder"), [("llama3.1-8b", "ContinuousTokenBuilder"), ("qwen2.5-7b", "Qwen")])
