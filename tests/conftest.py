@@ -8,6 +8,7 @@ dependency fails the session at once instead.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 
 import pytest
@@ -30,3 +31,28 @@ def pytest_sessionstart(session):
             broken.append(f"{name}: only a namespace package ({list(mod.__path__)}), not the installed package")
     if broken:
         raise pytest.UsageError("CI must run every CPU test, but these cannot be imported: " + "; ".join(broken))
+
+
+GPU_ENGINE_SHARE = 0.08
+"""GPU memory fraction a test's vLLM engine claims unless the test sets its own: GPU tests run under
+``pytest -n 8`` on one GPU, and vLLM's default (0.92 of the device, checked against the free memory at
+start-up) lets only the first engine start."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _vllm_engines_share_the_gpu():
+    import torch
+
+    if not torch.cuda.is_available() or importlib.util.find_spec("vllm") is None:
+        yield
+        return
+    import vllm
+
+    class SharedGpuLLM(vllm.LLM):
+        def __init__(self, *args, **kw):
+            kw.setdefault("gpu_memory_utilization", GPU_ENGINE_SHARE)
+            super().__init__(*args, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(vllm, "LLM", SharedGpuLLM)  # `create_engine` imports it at call time
+        yield

@@ -119,7 +119,8 @@ def _layer0_qk_engine(engine, prompt):
     return info, box["q"], box["k"]
 
 
-def _layer0_qk_trainer(path, prompt, recipe, fuse):
+def _layer0_qk_trainer(path, prompt, recipe, fuse, device):
+    """The trainer's layer-0 rotated q/k on `device` (the engine's: eager ops round alike only on one device)."""
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
@@ -135,11 +136,11 @@ def _layer0_qk_trainer(path, prompt, recipe, fuse):
 
     AttentionInterface.register("jetrl_probe_qk", probe)
     AttentionMaskInterface.register("jetrl_probe_qk", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
-    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device)
     m.set_attn_implementation("jetrl_probe_qk")
     convert_model(m, recipe, backend="emulated", fuse=fuse)
     with torch.no_grad():
-        m(input_ids=torch.tensor([prompt]))
+        m(input_ids=torch.tensor([prompt], device=device))
     t = len(prompt)
     return box["q"][0].transpose(0, 1).reshape(t, -1), box["k"][0].transpose(0, 1).reshape(t, -1)
 
@@ -163,7 +164,7 @@ def test_engine_rotates_q_and_k_as_the_trainer(tmp_path, recipe, ops):
         (cls, replaced), q, k = _layer0_qk_engine(engine, prompt)
     finally:
         engine.close()
-    tq, tk = _layer0_qk_trainer(path, prompt, recipe, fuse=ops == "fused")
+    tq, tk = _layer0_qk_trainer(path, prompt, recipe, fuse=ops == "fused", device=q.device)
     if ops == "vllm":
         assert cls == "Qwen3ForCausalLM" and replaced == []
         assert not (torch.equal(q, tq) and torch.equal(k, tk))  # the test can tell them apart
@@ -202,7 +203,7 @@ def test_engine_matches_the_trainer_on_each_shipped_architecture(tmp_path, model
         (cls, replaced), q, k = _layer0_qk_engine(engine, prompt)
     finally:
         engine.close()
-    tq, tk = _layer0_qk_trainer(path, prompt, "jetrl-unified", fuse=False)
+    tq, tk = _layer0_qk_trainer(path, prompt, "jetrl-unified", fuse=False, device=q.device)
     assert cls == "Jetrl" + cfg.architectures[0]
     qk_norm = cfg.model_type == "qwen3"
     assert len(replaced) == (6 if qk_norm else 4) + 1 and "model.norm" in replaced, replaced
