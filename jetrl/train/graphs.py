@@ -39,7 +39,8 @@ others' as `MixedPrecisionAdamW`'s accumulation hook does in eager mode.
 
 Equality: a graph replays the kernels eager mode launches for the same padded shapes, so the graphed and
 the eager log-probs and gradients of a padded micro-batch are equal bit for bit (GPU test
-``tests/train/test_cuda_graphs.py``). The eager path stays the default.
+``tests/train/test_cuda_graphs.py``). The default on CUDA (``algo.cuda_graphs: auto`` with numerics 'hf');
+eager mode stays available (``false``) and is the path on CPU.
 """
 
 from __future__ import annotations

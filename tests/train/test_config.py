@@ -37,6 +37,7 @@ def test_defaults_and_presets():
         ({"algo": {"tis_cap": -1}}, "algo.tis_cap"),
         ({"algo": {"kl_coef": -0.1}}, "algo.kl_coef"),
         ({"algo": {"cuda_graphs": True}}, "algo.cuda_graphs"),  # run.device cpu
+        ({"algo": {"cuda_graphs": "sometimes"}}, "algo.cuda_graphs"),
         ({"algo": {"micro_batch_tokens": 0}}, "algo.micro_batch_tokens"),
         ({"algo": {"micro_batch_tokens": -64}}, "algo.micro_batch_tokens"),
         ({"algo": {"micro_batch_tokens": 8}}, "algo.micro_batch_tokens"),  # < rollout.max_tokens + 1 = 9
@@ -121,6 +122,23 @@ def test_strict_numerics_pairs_with_the_trainers_ops_in_the_engine():
 def test_engine_ops_auto_runs_the_trainers_ops_for_unified_on_cuda(raw, ops):
     cfg = config_from_dict(raw)
     assert cfg.rollout.engine_ops == ops
+    assert config_from_dict(cfg.to_dict()) == cfg  # the saved config records the resolved value
+
+
+@pytest.mark.parametrize(
+    "raw, graphs",
+    [
+        ({}, False),  # CPU
+        ({"run": {"device": "cuda"}}, True),
+        ({"run": {"device": "cuda", "recipe": "bf16"}}, True),
+        ({"run": {"device": "cuda"}, "model": {"numerics": "strict"}}, False),
+        ({"run": {"device": "cuda"}, "algo": {"cuda_graphs": False}}, False),
+        ({"run": {"device": "cuda"}, "model": {"numerics": "strict"}, "algo": {"cuda_graphs": True}}, True),
+    ],
+)
+def test_cuda_graphs_auto_graphs_the_training_on_cuda(raw, graphs):
+    cfg = config_from_dict(raw)
+    assert cfg.algo.cuda_graphs is graphs
     assert config_from_dict(cfg.to_dict()) == cfg  # the saved config records the resolved value
 
 
