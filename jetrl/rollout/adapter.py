@@ -300,6 +300,23 @@ def _apply_env(env: dict[str, str]) -> None:
         os.environ[k] = v
 
 
+def _sampled_logprobs(flat: Any, ids: list[int]) -> list[float]:
+    """The sampled tokens' log-probs out of vLLM's ``FlatLogprobs`` of one completion (``logprobs=0``: one
+    entry per position, the sampled token's), checked against the completion's token ids."""
+    from vllm.logprobs import FlatLogprobs
+
+    if not isinstance(flat, FlatLogprobs):
+        got = type(flat).__name__
+        raise RuntimeError(f"vLLM returned {got} log-probs for a completion of {len(ids)} tokens, not FlatLogprobs")
+    one_each = flat.start_indices == list(range(len(ids))) and flat.end_indices == list(range(1, len(ids) + 1))
+    if not one_each or flat.token_ids != ids:
+        raise RuntimeError(
+            f"vLLM's log-probs hold {len(flat.token_ids)} entries over {len(flat)} positions for a completion of "
+            f"{len(ids)} tokens: one entry per position, the sampled token's, was expected"
+        )
+    return [float(v) for v in flat.logprobs]
+
+
 def create_engine(
     model_path: str | os.PathLike,
     recipe: Recipe | str,
@@ -475,6 +492,7 @@ class Engine:
                 max_tokens=budgets[i],
                 seed=None if seed is None else seed + i,
                 logprobs=0,  # the sampled token's log-prob only
+                flat_logprobs=True,  # a few flat lists per request, not a dict + Logprob object per token
                 ignore_eos=ignore_eos,
                 detokenize=False,
             )
@@ -487,10 +505,9 @@ class Engine:
         for prompt, out in zip(prompt_token_ids, outs, strict=True):
             for comp in out.outputs:
                 ids = list(comp.token_ids)
-                if comp.logprobs is None or len(comp.logprobs) != len(ids):
-                    raise RuntimeError(f"vLLM returned no per-token log-probs for a completion of {len(ids)} tokens")
-                lps = [float(comp.logprobs[i][t].logprob) for i, t in enumerate(ids)]
-                samples.append(Sample(list(map(int, prompt)), ids, lps, comp.finish_reason))
+                samples.append(
+                    Sample(list(map(int, prompt)), ids, _sampled_logprobs(comp.logprobs, ids), comp.finish_reason)
+                )
         return samples
 
     def check_nonfinite(self) -> None:

@@ -239,3 +239,31 @@ def test_layer_mode_treats_stock_block_fp8_like_jetrl_fp8():
     name = "model.layers.0.mlp.down_proj.weight"
     with pytest.raises(WeightSyncError, match="online per-tensor FP8"):
         plan_sync({name: torch.zeros(256, 512)}, {name: _info((512, 256), "float8_e4m3fn", "stock-online-fp8")}, PACKED)
+
+
+# -- the sampled tokens' log-probs out of vLLM's FlatLogprobs -----------------------------------
+
+
+def test_sampled_logprobs_read_the_flat_lists_and_refuse_anything_else():
+    pytest.importorskip("vllm", reason="vLLM's FlatLogprobs")
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    from jetrl.rollout.adapter import _sampled_logprobs
+
+    flat = FlatLogprobs()
+    for t, lp in ((5, -0.25), (9, -1.5), (5, -3.0)):
+        flat.append({t: Logprob(logprob=lp, rank=1)})
+    assert _sampled_logprobs(flat, [5, 9, 5]) == [-0.25, -1.5, -3.0]
+    with pytest.raises(RuntimeError, match="3 entries over 3 positions for a completion of 3 tokens"):
+        _sampled_logprobs(flat, [5, 9, 6])  # another token than the one sampled
+    with pytest.raises(RuntimeError, match="for a completion of 2 tokens"):
+        _sampled_logprobs(flat, [5, 9])
+    two = FlatLogprobs()
+    two.append({5: Logprob(logprob=-0.25), 7: Logprob(logprob=-2.0)})  # a top-k entry beside the sampled one
+    two.append(None)
+    with pytest.raises(RuntimeError, match="2 entries over 2 positions"):
+        _sampled_logprobs(two, [5, 7])
+    with pytest.raises(RuntimeError, match="returned list log-probs.*not FlatLogprobs"):
+        _sampled_logprobs([{5: Logprob(logprob=-0.25)}], [5])
+    with pytest.raises(RuntimeError, match="returned NoneType"):
+        _sampled_logprobs(None, [5])
