@@ -260,14 +260,22 @@ class GraphedLogprobs:
         """Capture every bucket (each graph's warm-up iterations run with a zero output gradient)."""
         device = next(self.model.parameters()).device
         pool = torch.cuda.graph_pool_handle()
-        for r, w in self.buckets:
+        for i, (r, w) in enumerate(self.buckets):
             ids = torch.full((r, w), self.pad_id, dtype=torch.long, device=device)
             mask = torch.ones((r, w), dtype=torch.long, device=device)
             mask[:, w // 2 + 1 :] = 0  # a padded sample: the masked attention path a replay takes
             sample = (ids, mask, ids[:, 1:].contiguous())
-            self._graphs[(r, w)] = _GradGraph(_Logprobs(self.model, self.temperature), sample, pool, self._params)
-            forward_only = _Logprobs(self.model, self.temperature, with_entropy=True)
-            self._nograd[(r, w)] = _NoGradGraph(forward_only, sample, pool)
+            try:
+                self._graphs[(r, w)] = _GradGraph(_Logprobs(self.model, self.temperature), sample, pool, self._params)
+                forward_only = _Logprobs(self.model, self.temperature, with_entropy=True)
+                self._nograd[(r, w)] = _NoGradGraph(forward_only, sample, pool)
+            except torch.cuda.OutOfMemoryError as e:
+                raise torch.cuda.OutOfMemoryError(
+                    f"algo.cuda_graphs: capturing bucket {r}x{w} ({i + 1} of {len(self.buckets)}: "
+                    f"{[f'{a}x{b}' for a, b in self.buckets]}) ran out of GPU memory; give the trainer more (a lower "
+                    "rollout.gpu_memory_utilization), make micro-batches smaller (algo.micro_batch_size / "
+                    f"micro_batch_tokens), or train eagerly with algo.cuda_graphs=false. {e}"
+                ) from e
         torch.cuda.synchronize(device)
         # the captures' samples are padding, not data: a non-finite value they met is not the first step's
         from jetrl.kernels import reset_nonfinite

@@ -109,6 +109,28 @@ def test_graphs_need_the_optimizers_gradient_accumulators(monkeypatch):
         GraphedLogprobs(build_tiny_model(0), temperature=1.0, pad_id=0, max_rows=2, max_tokens=None, max_width=8)
 
 
+def test_a_capture_out_of_memory_names_the_bucket_and_the_ways_out(monkeypatch):
+    import jetrl.train.graphs as graphs
+    from jetrl.tiny import build_tiny_model
+    from jetrl.train.policy import MixedPrecisionAdamW
+
+    _eager_captures(monkeypatch)
+    model = build_tiny_model(0)
+    MixedPrecisionAdamW(model, lr=1e-3)
+    g = GraphedLogprobs(model, temperature=1.0, pad_id=0, max_rows=4, max_tokens=None, max_width=100)
+    real = graphs._NoGradGraph
+
+    def no_room(fn, sample, pool):
+        if sample[0].shape[1] == 128:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(fn, sample, pool)
+
+    monkeypatch.setattr(graphs, "_NoGradGraph", no_room)
+    with pytest.raises(torch.cuda.OutOfMemoryError, match=r"bucket 4x128 \(2 of 2: \['4x64', '4x128'\]\)") as e:
+        g.capture_all()
+    assert "algo.cuda_graphs=false" in str(e.value) and "Tried to allocate 2.00 GiB" in str(e.value)
+
+
 @pytest.mark.parametrize("recipe", ["jetrl-unified", "bf16"])
 def test_plumbing_on_cpu_with_eager_stand_ins_for_the_capture(monkeypatch, recipe):
     """On CPU with `_eager_captures`: every bucket gets its own graphs, the warm-up adds nothing to the
