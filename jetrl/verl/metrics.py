@@ -23,11 +23,16 @@ And of each weight sync of the ``jetrl-unified`` recipe, from every rollout work
   whose digest was compared on arrival with the trainer's, ``sync/digests``: tensors digest-compared in
   the engine's memory after the copy (both summed over workers), ``sync/digests_equal``: 1.0 (a mismatch
   raises `WeightSyncError` in the sync instead), ``sync/workers``: rollout workers reporting.
+- With tensor parallelism (more than one TP rank reporting), per rank r: ``sync/tp<r>/bytes`` (the slice
+  rank r installed), ``sync/tp<r>/install_seconds`` (its slowest worker) and ``sync/tp<r>/digests``
+  (tensors digest-compared on its workers): `is_metric_key` knows these names.
 
 Positions outside ``response_mask`` are never read, whatever they hold (padding may be inf or NaN).
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 
@@ -36,6 +41,7 @@ __all__ = [
     "MISMATCH_FIELDS",
     "MissingLogProbsError",
     "batch_mismatch_metrics",
+    "is_metric_key",
     "mismatch_metrics",
     "sync_metrics",
 ]
@@ -57,7 +63,17 @@ METRIC_KEYS = (
     "sync/tp_ranks",
 )
 
+PER_RANK_KEY = re.compile(r"sync/tp\d+/(bytes|install_seconds|digests)")
+"""The per-tensor-parallel-rank sync metrics (module docstring)."""
+
 MISMATCH_FIELDS = ("response_mask", "old_log_probs", "rollout_log_probs")
+
+
+def is_metric_key(key: str) -> bool:
+    """Whether `key` is one of jetrl's step metrics: `METRIC_KEYS`, or a per-rank ``sync/tp<r>/...`` one."""
+    return key in METRIC_KEYS or PER_RANK_KEY.fullmatch(key) is not None
+
+
 """The verl batch fields `batch_mismatch_metrics` reads."""
 
 
@@ -129,17 +145,18 @@ def sync_metrics(reports: list, seconds: float | None = None) -> dict:
             f"sync_metrics: rollout worker {missing[0]} has installed no jetrl weight sync ({len(missing)} of "
             f"{len(reports)} workers): its engine does not run a jetrl quantization method"
         )
-    by_rank: dict[int, set[int]] = {}
+    by_rank: dict[int, list[dict]] = {}
     for r in reports:
-        by_rank.setdefault(int(r.get("tp_rank", 0)), set()).add(int(r["bytes"]))
-    differ = {rank: sorted(b) for rank, b in by_rank.items() if len(b) != 1}
+        by_rank.setdefault(int(r.get("tp_rank", 0)), []).append(r)
+    rank_bytes = {rank: sorted({int(r["bytes"]) for r in rs}) for rank, rs in sorted(by_rank.items())}
+    differ = {rank: b for rank, b in rank_bytes.items() if len(b) != 1}
     if differ:
         raise ValueError(
             "sync_metrics: rollout workers of the same tensor-parallel rank installed different payloads: bytes by "
             f"rank {differ}"
         )
     out = {
-        "sync/bytes": sum(b.pop() for b in by_rank.values()),
+        "sync/bytes": sum(b for (b,) in rank_bytes.values()),
         "sync/tp_ranks": len(by_rank),
         "sync/install_seconds": max(float(r["seconds"]) for r in reports),
         "sync/arrival_digests": sum(int(r["n_arrival_digests"]) for r in reports),
@@ -147,6 +164,11 @@ def sync_metrics(reports: list, seconds: float | None = None) -> dict:
         "sync/digests_equal": 1.0 if all(r["digests_equal"] for r in reports) else 0.0,
         "sync/workers": len(reports),
     }
+    if len(by_rank) > 1:
+        for rank, rs in sorted(by_rank.items()):
+            out[f"sync/tp{rank}/bytes"] = rank_bytes[rank][0]
+            out[f"sync/tp{rank}/install_seconds"] = max(float(r["seconds"]) for r in rs)
+            out[f"sync/tp{rank}/digests"] = sum(int(r["n_digests"]) for r in rs)
     if seconds is not None:
         out["sync/seconds"] = float(seconds)
     return out

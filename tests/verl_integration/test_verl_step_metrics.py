@@ -32,6 +32,7 @@ from jetrl.verl.metrics import (  # noqa: E402
     METRIC_KEYS,
     MissingLogProbsError,
     batch_mismatch_metrics,
+    is_metric_key,
     mismatch_metrics,
     sync_metrics,
 )
@@ -268,7 +269,7 @@ def test_sync_metrics_reach_verls_step_metrics(model, monkeypatch):
         "sync/workers": 2,
         "sync/tp_ranks": 1,
     }
-    assert set(got) <= set(METRIC_KEYS) and trainer._consume_sync_metrics() == {}
+    assert set(got) <= set(METRIC_KEYS) and trainer._consume_sync_metrics() == {}  # one TP rank: no per-rank keys
 
     # a step whose update_weights installed nothing on a worker is an error, not last step's numbers
     trainer.checkpoint_manager.update_weights = lambda step: _install(workers[0])
@@ -295,9 +296,20 @@ def test_sync_metrics_refuse_inconsistent_reports():
         sync_metrics([REPORT, {**REPORT, "bytes": 4095}])
     assert "sync/seconds" not in sync_metrics([REPORT])
     # two TP-2 replicas: each rank installs its own slice; a replica installs the sum of its ranks'
-    tp = [{**REPORT, "tp_rank": r, "bytes": 4096 - 1024 * r} for r in (0, 1)] * 2
+    tp = [{**REPORT, "tp_rank": r, "bytes": 4096 - 1024 * r} for _replica in range(2) for r in (0, 1)]
+    tp[2]["seconds"] = 0.75  # rank 0 of the second replica is the slowest
     got = sync_metrics(tp)
     assert (got["sync/bytes"], got["sync/tp_ranks"], got["sync/workers"]) == (4096 + 3072, 2, 4)
+    per_rank = {k: v for k, v in got.items() if k.startswith("sync/tp") and k != "sync/tp_ranks"}
+    assert per_rank == {
+        "sync/tp0/bytes": 4096,
+        "sync/tp0/install_seconds": 0.75,
+        "sync/tp0/digests": 80,
+        "sync/tp1/bytes": 3072,
+        "sync/tp1/install_seconds": 0.25,
+        "sync/tp1/digests": 80,
+    }
+    assert all(is_metric_key(k) for k in got) and not is_metric_key("sync/tp1/seconds")
     with pytest.raises(ValueError, match=r"bytes by rank \{1: \[3071, 3072\]\}"):
         sync_metrics(tp[:3] + [{**tp[3], "bytes": 3071}])
 

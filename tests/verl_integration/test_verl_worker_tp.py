@@ -130,7 +130,12 @@ def test_each_rank_installs_and_holds_its_slice(engine):
     full = sum(t.nbytes for n, t in received.items() if not n.endswith(":jetrl_digest"))
     # the slices tile every Linear and the vocab; norms are whole on both ranks
     norms = sum(t.nbytes for n, t in received.items() if n.endswith("norm.weight"))
-    assert sync_metrics(reports)["sync/bytes"] == full + norms and sync_metrics(reports)["sync/tp_ranks"] == TP
+    got = sync_metrics(reports)
+    assert got["sync/bytes"] == full + norms and got["sync/tp_ranks"] == TP
+    by_rank = {r["tp_rank"]: r for r in reports}
+    for rank in range(TP):  # what the multi-GPU run reports per rank
+        assert got[f"sync/tp{rank}/bytes"] == by_rank[rank]["bytes"]
+        assert got[f"sync/tp{rank}/digests"] == by_rank[rank]["n_digests"] > 0
     print(
         f"\nTP {TP} install: bytes per rank {[r['bytes'] for r in reports]}, seconds {[r['seconds'] for r in reports]}"
     )
