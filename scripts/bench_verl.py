@@ -38,7 +38,7 @@ from pathlib import Path
 
 import benchmeta
 
-from jetrl.verl.metrics import METRIC_KEYS, PER_RANK_KEY
+from jetrl.verl.metrics import METRIC_KEYS, is_metric_key
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE_SCRIPT = ROOT / "recipes" / "tiny-arith-verl.sh"
@@ -117,7 +117,7 @@ def read_steps(jsonl: Path) -> list[dict]:
 def step_record(row: dict) -> dict:
     m = row["metrics"]
     rec = {"step": row["step"], **{k: m[k] for k in STEP_KEYS if k in m}}
-    rec.update({k: v for k, v in m.items() if PER_RANK_KEY.fullmatch(k)})  # sync/tp<r>/... under TP
+    rec.update({k: v for k, v in m.items() if is_metric_key(k)})  # with the per-rank sync/tp<r>/... under TP
     rec["time_s"] = {phase: m[key] for phase, key in PHASES.items() if key in m}
     val = {k: v for k, v in m.items() if k.startswith("val-core/")}
     if val:

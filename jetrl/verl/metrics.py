@@ -63,18 +63,16 @@ METRIC_KEYS = (
     "sync/tp_ranks",
 )
 
-PER_RANK_KEY = re.compile(r"sync/tp\d+/(bytes|install_seconds|digests)")
+_PER_RANK_KEY = re.compile(r"sync/tp\d+/(bytes|install_seconds|digests)")
 """The per-tensor-parallel-rank sync metrics (module docstring)."""
 
 MISMATCH_FIELDS = ("response_mask", "old_log_probs", "rollout_log_probs")
+"""The verl batch fields `batch_mismatch_metrics` reads."""
 
 
 def is_metric_key(key: str) -> bool:
     """Whether `key` is one of jetrl's step metrics: `METRIC_KEYS`, or a per-rank ``sync/tp<r>/...`` one."""
-    return key in METRIC_KEYS or PER_RANK_KEY.fullmatch(key) is not None
-
-
-"""The verl batch fields `batch_mismatch_metrics` reads."""
+    return key in METRIC_KEYS or _PER_RANK_KEY.fullmatch(key) is not None
 
 
 class MissingLogProbsError(ValueError):

@@ -65,6 +65,8 @@ def test_file_logger_lines_become_step_records(bench, tmp_path):
     rec = bench.step_record(rows[2])
     assert rec["critic/score/mean"] == 0.7 and rec["sync/digests_equal"] == 1.0
     assert rec["time_s"] == {"rollout": 4.0, "old_logp": 1.0, "update": 3.0, "sync": 0.5, "step": 7.0}
+    tp = bench.step_record({**rows[2], "metrics": {**rows[2]["metrics"], "sync/tp1/bytes": 7, "sync/tp1/x": 1}})
+    assert tp["sync/tp1/bytes"] == 7 and "sync/tp1/x" not in tp  # the per-rank sync metrics under TP, no others
     s = bench.summarize([bench.step_record(r) for r in rows])
     assert (s["steps"], s["reward_first"], s["reward_last"]) == (2, 0.5, 0.7)
     assert s["mismatch/logp_abs_diff_mean (mean over steps)"] == pytest.approx(1.5e-3)
