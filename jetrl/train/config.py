@@ -254,7 +254,7 @@ class AlgoConfig:
     host cost gone; log-probs and gradients equal to eager mode's on the same padded shapes). true needs
     run.device 'cuda'; false = eager. 'auto' (resolved when the config is loaded): on for run.device 'cuda'
     with ``model.numerics: hf`` -- on the H200 the graphs halved the 0.6B BF16 training phase on varied
-    response lengths, bucket padding included, and the FP8 recipe gains more (README) -- else eager (CPU;
+    response lengths, bucket padding included (README; FP8 Linears cost more host time eagerly) -- else eager (CPU;
     ``strict`` numerics, whose graphed run is not GPU-tested). The capture costs start-up time (0.6B FP8:
     minutes), once per run."""
     old_logp: str = "trainer"

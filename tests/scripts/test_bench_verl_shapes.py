@@ -35,7 +35,7 @@ def test_data_goes_through_the_recipe_s_data_script_and_its_reward_grades_it(ben
     assert bench.make_data(dataset, tmp_path) == out  # made once
 
 
-def test_command_is_the_model_s_recipe_on_one_gpu_with_short_responses(bench, tmp_path):
+def test_command_is_the_model_s_recipe_with_its_gpus_and_short_responses(bench, tmp_path):
     args = bench.parse_args(["--out", str(tmp_path / "s.json"), "--response-len", "128", "--", "trainer.x=1"])
     argv, env, command = bench.shape_command(args, "qwen3-8b-base", tmp_path / "m", tmp_path / "q.jsonl")
     assert argv[1].endswith("recipes/qwen3-8b-base_math.sh")
