@@ -50,6 +50,9 @@ from shape_model import reusable_model_dir
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
+ARG_DEFAULTS = {"multiprocess": False, "executor": "uni"}
+"""Engine settings a result JSON from before the option existed ran with (``--merge`` compares them)."""
+
 LLAMA_8B = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -185,6 +188,8 @@ def _run_mode(args, mode, recipe, rollout, path, vocab, shapes, result) -> None:
         kw["skip_tokenizer_init"] = True
         if not args.enforce_eager and args.capture_sizes:
             kw["compilation_config"] = {"cudagraph_capture_sizes": args.capture_sizes}
+    if args.executor != "uni":
+        kw["distributed_executor_backend"] = args.executor
     engine = create_engine(
         path,
         recipe,
@@ -328,6 +333,7 @@ def run(args, out: Path | None = None) -> dict:
         "backend": args.backend,
         "enforce_eager": args.enforce_eager,
         "multiprocess": args.multiprocess,
+        "executor": args.executor,
         "cudagraph_capture_sizes": None if args.enforce_eager else args.capture_sizes,
         "repeats": args.repeats,
         "tok_s_note": "median of repeats; decode = prompts of input_len random ids, output_len tokens, ignore_eos",
@@ -446,6 +452,14 @@ def main(argv: list[str] | None = None) -> int:
         "the model in this process)",
     )
     p.add_argument(
+        "--executor",
+        choices=("uni", "mp"),
+        default="uni",
+        help="vLLM's executor (distributed_executor_backend): 'uni' runs the model in the engine core's process "
+        "(vLLM's default for one GPU); 'mp' in a worker process of its own, as verl's rollout servers start it, so "
+        "the worker's input preparation overlaps the engine core's scheduling; no weight sync or profiles with 'mp'",
+    )
+    p.add_argument(
         "--isolate",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -472,16 +486,18 @@ def main(argv: list[str] | None = None) -> int:
         args.enforce_eager = True
     if args.modes is None:
         args.modes = DEFAULT_MODES["cpu" if args.tiny else "gpu"]
-    if args.multiprocess and (args.profile or args.host_profile or args.sync_modes):
-        p.error("--multiprocess runs the model in vLLM's own process: no --profile, --host-profile or --sync-modes")
+    out_of_process = args.multiprocess or args.executor != "uni"
+    if out_of_process and (args.profile or args.host_profile or args.sync_modes):
+        p.error("--multiprocess and --executor mp run the model in another process: no --profile, --host-profile or "
+                "--sync-modes")  # fmt: skip
     if args.sync_modes is None:
-        args.sync_modes = (
-            [] if args.multiprocess else ["bf16", "jetrl_fp8", "naive_fp8"] if args.tiny else ["jetrl_fp8"]
-        )
+        args.sync_modes = [] if out_of_process else ["bf16", "jetrl_fp8", "naive_fp8"] if args.tiny else ["jetrl_fp8"]
     earlier = json.loads(Path(args.merge).read_text()) if args.merge else None
-    if earlier is not None and bool(earlier.get("multiprocess")) != args.multiprocess:
-        p.error(f"--merge {args.merge}: its engines ran with multiprocess={bool(earlier.get('multiprocess'))}, "
-                f"this run with {args.multiprocess}; their decode speeds do not compare")  # fmt: skip
+    for key, value in (("multiprocess", args.multiprocess), ("executor", args.executor)):
+        theirs = earlier.get(key, ARG_DEFAULTS[key]) if earlier is not None else value
+        if theirs != value:
+            p.error(f"--merge {args.merge}: its engines ran with {key}={theirs}, this run with {value}; their decode "
+                    "speeds do not compare")  # fmt: skip
     if args.isolate is None:
         args.isolate = not args.tiny and len(args.modes) > 1
     need = max((i + o for _, i, o in args.shapes or []), default=0)

@@ -58,8 +58,10 @@ def test_shapes_layers_and_profile_options(bench, monkeypatch, capsys):
         (["--tiny", "--profile"], "not --tiny"),
         (["--layers", "33"], "1 to 32 decoder layers"),
         (["--shapes", "256:16:2048", "--max-model-len", "1024"], "shorter than a --shapes prompt"),
-        (["--multiprocess", "--profile"], "--multiprocess runs the model in vLLM's own process"),
+        (["--multiprocess", "--profile"], "--multiprocess and --executor mp run the model in another process"),
         (["--multiprocess", "--sync-modes", "jetrl_fp8"], "no --profile, --host-profile or --sync-modes"),
+        (["--executor", "mp", "--host-profile"], "--executor mp run the model in another process"),
+        (["--executor", "mp", "--sync-modes", "jetrl_fp8"], "no --profile, --host-profile or --sync-modes"),
     ):
         with pytest.raises(SystemExit):
             bench.main(argv)
@@ -95,7 +97,44 @@ def test_multiprocess_engines_and_merges(bench, monkeypatch, tmp_path, capsys):
 
     monkeypatch.setattr("jetrl.rollout.adapter.create_engine", fake_create_engine)
     args = bench.argparse.Namespace(tiny=False, gpu_memory_utilization=0.4, enforce_eager=True, capture_sizes=[],
-                                    max_model_len=64, backend="auto", multiprocess=True)  # fmt: skip
+                                    max_model_len=64, backend="auto", multiprocess=True, executor="uni")  # fmt: skip
     with pytest.raises(Started):
         bench._run_mode(args, "bf16", None, "jetrl", tmp_path, 0, [], {})
     assert kw["in_process"] is False
+    assert "distributed_executor_backend" not in kw  # vLLM's default executor for one device
+
+
+def test_mp_executor_engines_and_merges(bench, monkeypatch, tmp_path, capsys):
+    """--executor mp asks vLLM for a worker process (verl's setting), syncs nothing, and is recorded; a merge
+    with a result of the other executor (or from before the option, which ran 'uni') is refused."""
+    seen = {}
+
+    def fake_run(args, out):
+        seen.update(executor=args.executor, sync_modes=args.sync_modes)
+        return {"decode": {}, "sync": {}, "errors": {}, "engine_start_s": {}, "executor": args.executor}
+
+    monkeypatch.setattr(bench, "run", fake_run)
+    monkeypatch.setattr(bench, "_table", lambda result: "")
+    assert bench.main(["--executor", "mp", "--out", str(tmp_path / "r.json")]) == 0
+    assert seen == {"executor": "mp", "sync_modes": []}
+    before_option = tmp_path / "old.json"
+    before_option.write_text('{"decode": {"bf16": []}}')
+    with pytest.raises(SystemExit):
+        bench.main(["--executor", "mp", "--merge", str(before_option)])
+    assert "executor=uni, this run with mp" in capsys.readouterr().err
+    assert bench.main(["--executor", "mp", "--merge", str(tmp_path / "r.json"), "--out", str(tmp_path / "s.json")]) == 0
+    kw = {}
+
+    class Started(Exception):
+        pass
+
+    def fake_create_engine(*a, **k):
+        kw.update(k)
+        raise Started
+
+    monkeypatch.setattr("jetrl.rollout.adapter.create_engine", fake_create_engine)
+    args = bench.argparse.Namespace(tiny=False, gpu_memory_utilization=0.4, enforce_eager=True, capture_sizes=[],
+                                    max_model_len=64, backend="auto", multiprocess=False, executor="mp")  # fmt: skip
+    with pytest.raises(Started):
+        bench._run_mode(args, "bf16", None, "jetrl", tmp_path, 0, [], {})
+    assert kw["distributed_executor_backend"] == "mp" and kw["in_process"] is True
