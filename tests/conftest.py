@@ -13,6 +13,8 @@ import os
 
 import pytest
 
+from jetrl.testing.engines import shared_gpu_engine_kwargs
+
 REQUIRED_ON_CI = ("vllm", "transformers", "triton", "ml_dtypes", "verl")
 """On CI a skip for any of these fails the session (``verl``: tests/verl_integration, installed by `make venv`)."""
 
@@ -33,12 +35,6 @@ def pytest_sessionstart(session):
         raise pytest.UsageError("CI must run every CPU test, but these cannot be imported: " + "; ".join(broken))
 
 
-GPU_ENGINE_SHARE = 0.08
-"""GPU memory fraction a test's vLLM engine claims unless the test sets its own: GPU tests run under
-``pytest -n 8`` on one GPU, and vLLM's default (0.92 of the device, checked against the free memory at
-start-up) lets only the first engine start."""
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _vllm_engines_share_the_gpu():
     import torch
@@ -50,8 +46,7 @@ def _vllm_engines_share_the_gpu():
 
     class SharedGpuLLM(vllm.LLM):
         def __init__(self, *args, **kw):
-            kw.setdefault("gpu_memory_utilization", GPU_ENGINE_SHARE)
-            super().__init__(*args, **kw)
+            super().__init__(*args, **shared_gpu_engine_kwargs(kw))
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(vllm, "LLM", SharedGpuLLM)  # `create_engine` imports it at call time
