@@ -21,7 +21,9 @@ stock vLLM 0.26 BF16 8.5k / 16.3k tok/s, block-FP8 10.8k / 19.6k at batch 64 / 2
 output tokens) under torch.profiler and keeps per mode the wall and GPU-busy milliseconds per output token
 step (its prefill included) and the kernels with the most GPU time: where a decode step's time goes (GPU
 kernels, or the host between them), measured. ``--host-profile`` runs the same generate under cProfile: the
-Python functions that spend the host time, per step.
+Python functions that spend the host time, per step. ``--multiprocess`` (vLLM's engine core in its own
+process) and ``--executor mp`` (the model in a worker process of its own) run the engine as verl's rollout
+servers do (both: verl's layout); neither allows a weight sync or a profile (the model is in another process).
 
 CPU (``--tiny``): the same flow on the tiny Qwen3 (`jetrl.tiny`) with the emulated GEMM backend, plus
 the log-prob mismatch per recipe; stock FP8 is reported as unavailable (vLLM's CPU block-FP8 path needs
