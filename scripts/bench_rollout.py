@@ -458,8 +458,8 @@ def main(argv: list[str] | None = None) -> int:
         choices=("uni", "mp"),
         default="uni",
         help="vLLM's executor (distributed_executor_backend): 'uni' runs the model in the engine core's process "
-        "(vLLM's default for one GPU); 'mp' in a worker process of its own, as verl's rollout servers start it, so "
-        "the worker's input preparation overlaps the engine core's scheduling; no weight sync or profiles with 'mp'",
+        "(vLLM's default for one GPU); 'mp' in a worker process of its own, as verl's rollout servers start it; no "
+        "weight sync or profiles with 'mp'",
     )
     p.add_argument(
         "--isolate",
