@@ -23,7 +23,9 @@ step (its prefill included) and the kernels with the most GPU time: where a deco
 kernels, or the host between them), measured. ``--host-profile`` runs the same generate under cProfile: the
 Python functions that spend the host time, per step. ``--multiprocess`` (vLLM's engine core in its own
 process) and ``--executor mp`` (the model in a worker process of its own) run the engine as verl's rollout
-servers do (both: verl's layout); neither allows a weight sync or a profile (the model is in another process).
+servers do (both: verl's layout); neither allows a weight sync or ``--host-profile`` (the model is in another
+process), and ``--profile`` then records the model's process with vLLM's own profiler (its trace's GPU time
+against the generate's wall time here).
 
 CPU (``--tiny``): the same flow on the tiny Qwen3 (`jetrl.tiny`) with the emulated GEMM backend, plus
 the log-prob mismatch per recipe; stock FP8 is reported as unavailable (vLLM's CPU block-FP8 path needs
@@ -37,16 +39,18 @@ Intel AMX). Writes scripts/results/rollout-<cpu|gpu>.json and prints a table.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import benchmeta
-from profiling import profile_cuda, profile_host
+from profiling import profile_cuda, profile_host, profile_summary, trace_device_time
 from shape_model import reusable_model_dir
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -160,6 +164,30 @@ def _profile(engine, batch: int, in_len: int, tokens: int, vocab: int, host: boo
     return {"batch": batch, "input_len": in_len, **summary}
 
 
+def _profile_worker(engine, batch: int, in_len: int, tokens: int, vocab: int, *, trace_dir: Path) -> dict:
+    """As `_profile` for an engine whose model runs in another process: vLLM's own profiler (the engine was
+    created with a ``profiler_config`` writing to `trace_dir`) records the worker during one generate, timed
+    here; the GPU time comes from the worker's trace (`profiling.trace_device_time`; tensor-parallel rank 0's)."""
+    prompts = _prompts(batch, in_len, vocab, 1)
+
+    def generate():
+        return engine.generate(prompts, max_tokens=tokens, seed=1, ignore_eos=True)
+
+    generate()
+    before = set(trace_dir.glob("*.pt.trace.json*"))
+    engine.llm.start_profile()
+    t0 = time.perf_counter()
+    generate()
+    wall = time.perf_counter() - t0
+    engine.llm.stop_profile()  # the workers write their traces before it returns
+    traces = sorted(set(trace_dir.glob("*.pt.trace.json*")) - before)
+    rank0 = [t for t in traces if t.name.startswith("rank0.")] or traces
+    if not rank0:
+        raise RuntimeError(f"vLLM's profiler wrote no trace into {trace_dir}")
+    summary = profile_summary(trace_device_time(rank0[0]), wall_s=wall, steps=tokens)
+    return {"batch": batch, "input_len": in_len, "profiled_in": "vLLM worker (vLLM's profiler)", **summary}
+
+
 def _trainer(args, recipe):
     import torch
 
@@ -192,25 +220,42 @@ def _run_mode(args, mode, recipe, rollout, path, vocab, shapes, result) -> None:
             kw["compilation_config"] = {"cudagraph_capture_sizes": args.capture_sizes}
     if args.executor != "uni":
         kw["distributed_executor_backend"] = args.executor
-    engine = create_engine(
-        path,
-        recipe,
-        seed=0,
-        max_model_len=args.max_model_len,
-        enforce_eager=args.enforce_eager,
-        rollout=rollout,
-        backend=args.backend,
-        in_process=not args.multiprocess,
-        engine_ops=ENGINE_OPS.get(mode, "vllm"),
-        **kw,
-    )
+    trace_dir = None
+    if args.profile and _out_of_process(args):  # vLLM's profiler records the model's process
+        trace_dir = Path(tempfile.mkdtemp(prefix=f"jetrl-trace-{mode}-"))
+        kw["profiler_config"] = {
+            "profiler": "torch",
+            "torch_profiler_dir": str(trace_dir),
+            "torch_profiler_with_stack": False,
+        }
     try:
-        _measure(args, mode, recipe, engine, vocab, shapes, result)
+        engine = create_engine(
+            path,
+            recipe,
+            seed=0,
+            max_model_len=args.max_model_len,
+            enforce_eager=args.enforce_eager,
+            rollout=rollout,
+            backend=args.backend,
+            in_process=not args.multiprocess,
+            engine_ops=ENGINE_OPS.get(mode, "vllm"),
+            **kw,
+        )
+        try:
+            _measure(args, mode, recipe, engine, vocab, shapes, result, trace_dir)
+        finally:
+            engine.close()
     finally:
-        engine.close()
+        if trace_dir is not None:
+            shutil.rmtree(trace_dir, ignore_errors=True)
 
 
-def _measure(args, mode, recipe, engine, vocab, shapes, result) -> None:
+def _out_of_process(args) -> bool:
+    """Whether the model runs in another process than this one (``--multiprocess`` or ``--executor mp``)."""
+    return args.multiprocess or args.executor != "uni"
+
+
+def _measure(args, mode, recipe, engine, vocab, shapes, result, trace_dir: Path | None = None) -> None:
     import torch
 
     from jetrl.rollout.sync import sync_weights
@@ -220,7 +265,8 @@ def _measure(args, mode, recipe, engine, vocab, shapes, result) -> None:
     result["decode"][mode] = [_decode(engine, shape, vocab, 0, args.repeats) for shape in shapes]
     b, i, _ = shapes[-1]
     if args.profile:
-        result["profile"][mode] = _profile(engine, b, i, args.profile_tokens, vocab)
+        profile = _profile if trace_dir is None else functools.partial(_profile_worker, trace_dir=trace_dir)
+        result["profile"][mode] = profile(engine, b, i, args.profile_tokens, vocab)
     if args.host_profile:
         result["host_profile"][mode] = _profile(engine, b, i, args.profile_tokens, vocab, host=True)
     if mode in args.sync_modes:
@@ -450,8 +496,8 @@ def main(argv: list[str] | None = None) -> int:
         "--multiprocess",
         action="store_true",
         help="vLLM's engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1, as verl's rollout servers "
-        "run it): its scheduling overlaps this process's output processing; no weight sync or profiles (they need "
-        "the model in this process)",
+        "run it): its scheduling overlaps this process's output processing; no weight sync or --host-profile (they "
+        "need the model in this process; --profile uses vLLM's profiler)",
     )
     p.add_argument(
         "--executor",
@@ -459,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         default="uni",
         help="vLLM's executor (distributed_executor_backend): 'uni' runs the model in the engine core's process "
         "(vLLM's default for one GPU); 'mp' in a worker process of its own, as verl's rollout servers start it; no "
-        "weight sync or profiles with 'mp'",
+        "weight sync or --host-profile with 'mp' (--profile uses vLLM's profiler)",
     )
     p.add_argument(
         "--isolate",
@@ -488,10 +534,10 @@ def main(argv: list[str] | None = None) -> int:
         args.enforce_eager = True
     if args.modes is None:
         args.modes = DEFAULT_MODES["cpu" if args.tiny else "gpu"]
-    out_of_process = args.multiprocess or args.executor != "uni"
-    if out_of_process and (args.profile or args.host_profile or args.sync_modes):
-        p.error("--multiprocess and --executor mp run the model in another process: no --profile, --host-profile or "
-                "--sync-modes")  # fmt: skip
+    out_of_process = _out_of_process(args)
+    if out_of_process and (args.host_profile or args.sync_modes):
+        p.error("--multiprocess and --executor mp run the model in another process: no --host-profile or --sync-modes "
+                "(--profile records that process with vLLM's profiler)")  # fmt: skip
     if args.sync_modes is None:
         args.sync_modes = [] if out_of_process else ["bf16", "jetrl_fp8", "naive_fp8"] if args.tiny else ["jetrl_fp8"]
     earlier = json.loads(Path(args.merge).read_text()) if args.merge else None

@@ -8,7 +8,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["profile_summary", "profile_cuda", "profile_host"]
+__all__ = ["profile_summary", "profile_cuda", "profile_host", "trace_device_time", "DEVICE_EVENT_CATEGORIES"]
+
+DEVICE_EVENT_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+"""Chrome-trace categories of device activity (what `profile_cuda` counts as device time)."""
 
 
 def profile_summary(kernels: list[tuple[str, int, float]], *, wall_s: float, steps: int, top: int = 15) -> dict:
@@ -52,6 +55,31 @@ def profile_cuda(fn: Callable[[], object], *, steps: int, top: int = 15) -> dict
         if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0
     ]
     return profile_summary(kernels, wall_s=wall, steps=steps, top=top)
+
+
+def trace_device_time(path: str | Path) -> list[tuple[str, int, float]]:
+    """``(name, calls, device microseconds)`` per kernel / memcpy / memset of a torch.profiler Chrome trace
+    (``.json`` or ``.json.gz``, as ``tensorboard_trace_handler`` writes it; e.g. the trace of a vLLM worker
+    process, profiled by vLLM's own profiler), for `profile_summary`. A trace without such events is refused:
+    it was recorded without CUDA activity."""
+    import gzip
+    import json
+
+    path = Path(path)
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    data = json.loads(raw)
+    events = data.get("traceEvents") if isinstance(data, dict) else None
+    if not isinstance(events, list):
+        raise ValueError(f"{path}: no traceEvents list; not a torch.profiler Chrome trace")
+    per: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in DEVICE_EVENT_CATEGORIES:
+            calls_us = per.setdefault(e["name"], [0, 0.0])
+            calls_us[0] += 1
+            calls_us[1] += float(e["dur"])
+    if not per:
+        raise ValueError(f"{path}: no {'/'.join(DEVICE_EVENT_CATEGORIES)} events (recorded without CUDA activity?)")
+    return [(name, int(c), us) for name, (c, us) in per.items()]
 
 
 def profile_host(fn: Callable[[], object], *, steps: int, top: int = 20) -> dict:

