@@ -28,6 +28,10 @@ and copy of a real step is executed.
                                 [--out DIR]
     python scripts/bench_e2e.py --merge A.json B.json [--out DIR] [--note TEXT]
 
+The engine runs each recipe's default ops between the Linears (``--engine-ops auto``, as ``jetrl train``: on
+CUDA `jetrl-unified` with the trainer's, fused with ``--fuse``; BF16 with vLLM's own model); results before
+``auto`` existed ran ``vllm`` for both, and each run records the ops it resolved to.
+
 The step is split into rollout / old log-probs (the no-grad pass over the batch, ref included) / update /
 sync (the trainer's ``time/*`` of each step). ``--numerics hf,strict`` times each recipe with the default
 and with the strict numerics (``model.numerics=strict``, runs keyed ``<recipe>-strict``, written to
@@ -166,6 +170,7 @@ def run_one(args) -> dict:
     return {
         "recipe": args.one,
         "numerics": args.numerics,
+        "engine_ops": cfg.rollout.engine_ops,  # as resolved (--engine-ops auto: per recipe)
         "engine_quantization": quant,
         "setup_s": tr.setup_s,
         "engine_start_s": engine_start,  # parts of setup_s, as is the training graphs' capture
@@ -320,10 +325,12 @@ def parse_args(argv: list[str] | None):
     )
     p.add_argument(
         "--engine-ops",
-        choices=("vllm", "hf", "fused"),
-        default="vllm",
+        choices=("auto", "vllm", "hf", "fused"),
+        default="auto",
         help="the engine's ops between the Linears (rollout.engine_ops; 'fused' needs --fuse and runs the bf16 "
-        "recipe, which has no fused producers, with 'hf')",
+        "recipe, which has no fused producers, with 'hf'); 'auto' (default): each recipe's default, what `jetrl train` "
+        "runs: on CUDA jetrl-unified with the trainer's ops ('fused' with --fuse), bf16 with vLLM's own model; on CPU "
+        "vLLM's own model for both",
     )
     p.add_argument(
         "--numerics",
@@ -380,14 +387,15 @@ def parse_args(argv: list[str] | None):
     bad = [r for r in args.recipes if r not in RECIPES]
     if bad or not args.recipes:
         p.error(f"--recipes {','.join(args.recipes)}: choose from {','.join(RECIPES)}")
-    if args.engine_ops != "vllm" and args.fuse != (args.engine_ops == "fused"):
+    if args.engine_ops in ("hf", "fused") and args.fuse != (args.engine_ops == "fused"):
         p.error(f"--engine-ops {args.engine_ops} computes the norms as a trainer {'with' if args.fuse else 'without'} "
                 f"--fuse does not: use --engine-ops {'fused' if args.fuse else 'hf'}")  # fmt: skip
     numerics = args.numerics.split(",")
     if not numerics or set(numerics) - set(NUMERICS) or len(set(numerics)) != len(numerics):
         p.error(f"--numerics {args.numerics}: one or more of {','.join(NUMERICS)}, each once")
-    if "strict" in numerics and args.engine_ops == "vllm":
-        p.error("--numerics strict needs the trainer's ops in the engine: --engine-ops hf (or fused with --fuse)")
+    if "strict" in numerics and args.engine_ops in ("vllm", "auto"):
+        p.error("--numerics strict needs the trainer's ops in the engine of both recipes: --engine-ops hf (or fused "
+                "with --fuse)")  # fmt: skip
     for flag in ("profile_rollout", "profile_train"):
         if getattr(args, flag) and args.tiny:
             p.error(f"--{flag.replace('_', '-')} profiles CUDA kernels: not with --tiny")

@@ -97,7 +97,27 @@ def test_engine_ops_follow_the_trainers_producers(bench, capsys):
     bf16 = bench._config(args, "bf16", "/m", "/r")
     assert (unified["rollout"]["engine_ops"], unified["model"]["fuse_producers"]) == ("fused", True)
     assert (bf16["rollout"]["engine_ops"], bf16["model"]["fuse_producers"]) == ("hf", False)  # no bf16 producers
-    assert bench.parse_args([]).engine_ops == "vllm" and "engine_ops" in bench.CONFIG_KEYS
+    assert "engine_ops" in bench.CONFIG_KEYS and bench.ADDED_KEYS["engine_ops"] == "vllm"  # older results: 'vllm'
+
+
+def test_engine_ops_auto_is_each_recipes_default(bench):
+    """The default, 'auto', leaves the choice to `jetrl train`'s config: on CUDA jetrl-unified rolls out with the
+    trainer's ops (fused with --fuse), bf16 with vLLM's own model; on CPU both with vLLM's."""
+    from jetrl.train.config import config_from_dict
+
+    def resolved(argv, recipe, device):
+        cfg = bench._config(bench.parse_args(argv), recipe, "/m", "/r")
+        cfg["run"]["device"] = device
+        cfg["model"]["path"] = None  # not loaded: the resolution reads only the recipe, device and numerics
+        return config_from_dict(cfg).rollout.engine_ops
+
+    assert bench.parse_args([]).engine_ops == "auto"
+    assert resolved(["--fuse"], "jetrl-unified", "cuda") == "fused"
+    assert resolved([], "jetrl-unified", "cuda") == "hf"
+    assert resolved(["--fuse"], "bf16", "cuda") == "vllm"
+    assert resolved(["--fuse"], "jetrl-unified", "cpu") == "vllm"
+    with pytest.raises(SystemExit):  # strict must name the ops of both recipes
+        bench.parse_args(["--numerics", "strict"])
 
 
 def test_strict_numerics_are_a_compared_option(bench, capsys):
