@@ -72,24 +72,34 @@ def test_shapes_layers_and_profile_options(bench, monkeypatch, capsys):
         assert msg in capsys.readouterr().err
 
 
-def test_multiprocess_engines_and_merges(bench, monkeypatch, tmp_path, capsys):
-    """--multiprocess starts every engine out of process and syncs none; a merge must match its setting."""
+@pytest.mark.parametrize(
+    "flags, key, value", [(["--multiprocess"], "multiprocess", True), (["--executor", "mp"], "executor", "mp")]
+)
+def test_out_of_process_layouts_sync_nothing_and_merge_only_alike(
+    bench, monkeypatch, tmp_path, capsys, flags, key, value
+):
+    """--multiprocess and --executor mp (verl's engine layout) sync nothing and are recorded; a merge with a result
+    of another layout (or from before the option, which ran vLLM's defaults) is refused, one of the same taken."""
     seen = {}
 
     def fake_run(args, out):
-        seen.update(multiprocess=args.multiprocess, sync_modes=args.sync_modes)
-        return {"decode": {}, "sync": {}, "errors": {}, "engine_start_s": {}, "multiprocess": args.multiprocess}
+        seen.update({key: getattr(args, key), "sync_modes": args.sync_modes})
+        return {"decode": {}, "sync": {}, "errors": {}, "engine_start_s": {}, key: value}
 
     monkeypatch.setattr(bench, "run", fake_run)
     monkeypatch.setattr(bench, "_table", lambda result: "")
-    assert bench.main(["--multiprocess", "--out", str(tmp_path / "r.json")]) == 0
-    assert seen == {"multiprocess": True, "sync_modes": []}
-    in_process = tmp_path / "old.json"
-    in_process.write_text('{"decode": {"bf16": []}}')
+    assert bench.main([*flags, "--out", str(tmp_path / "r.json")]) == 0
+    assert seen == {key: value, "sync_modes": []}
+    before = tmp_path / "old.json"
+    before.write_text('{"decode": {"bf16": []}}')
     with pytest.raises(SystemExit):
-        bench.main(["--multiprocess", "--merge", str(in_process)])
-    assert "multiprocess=False, this run with True" in capsys.readouterr().err
-    # the engine gets in_process=False
+        bench.main([*flags, "--merge", str(before)])
+    assert f"{key}={bench.ARG_DEFAULTS[key]}, this run with {value}" in capsys.readouterr().err
+    assert bench.main([*flags, "--merge", str(tmp_path / "r.json"), "--out", str(tmp_path / "s.json")]) == 0
+
+
+def _engine_kwargs(bench, monkeypatch, tmp_path, **options) -> dict:
+    """What `_run_mode` hands `create_engine` (stopped there) under these options."""
     kw = {}
 
     class Started(Exception):
@@ -101,55 +111,23 @@ def test_multiprocess_engines_and_merges(bench, monkeypatch, tmp_path, capsys):
 
     monkeypatch.setattr("jetrl.rollout.adapter.create_engine", fake_create_engine)
     args = bench.argparse.Namespace(tiny=False, gpu_memory_utilization=0.4, enforce_eager=True, capture_sizes=[],
-                                    max_model_len=64, backend="auto", multiprocess=True, executor="uni",
+                                    max_model_len=64, backend="auto", multiprocess=False, executor="uni",
                                     profile=False)  # fmt: skip
+    vars(args).update(options)
     with pytest.raises(Started):
         bench._run_mode(args, "bf16", None, "jetrl", tmp_path, 0, [], {})
+    return kw
+
+
+def test_engine_layouts_reach_create_engine(bench, monkeypatch, tmp_path):
+    kw = _engine_kwargs(bench, monkeypatch, tmp_path, multiprocess=True)
     assert kw["in_process"] is False
     assert "distributed_executor_backend" not in kw  # vLLM's default executor for one device
-
-
-def test_mp_executor_engines_and_merges(bench, monkeypatch, tmp_path, capsys):
-    """--executor mp asks vLLM for a worker process (verl's setting), syncs nothing, and is recorded; a merge
-    with a result of the other executor (or from before the option, which ran 'uni') is refused."""
-    seen = {}
-
-    def fake_run(args, out):
-        seen.update(executor=args.executor, sync_modes=args.sync_modes)
-        return {"decode": {}, "sync": {}, "errors": {}, "engine_start_s": {}, "executor": args.executor}
-
-    monkeypatch.setattr(bench, "run", fake_run)
-    monkeypatch.setattr(bench, "_table", lambda result: "")
-    assert bench.main(["--executor", "mp", "--out", str(tmp_path / "r.json")]) == 0
-    assert seen == {"executor": "mp", "sync_modes": []}
-    before_option = tmp_path / "old.json"
-    before_option.write_text('{"decode": {"bf16": []}}')
-    with pytest.raises(SystemExit):
-        bench.main(["--executor", "mp", "--merge", str(before_option)])
-    assert "executor=uni, this run with mp" in capsys.readouterr().err
-    assert bench.main(["--executor", "mp", "--merge", str(tmp_path / "r.json"), "--out", str(tmp_path / "s.json")]) == 0
-    kw = {}
-
-    class Started(Exception):
-        pass
-
-    def fake_create_engine(*a, **k):
-        kw.update(k)
-        raise Started
-
-    monkeypatch.setattr("jetrl.rollout.adapter.create_engine", fake_create_engine)
-    args = bench.argparse.Namespace(tiny=False, gpu_memory_utilization=0.4, enforce_eager=True, capture_sizes=[],
-                                    max_model_len=64, backend="auto", multiprocess=False, executor="mp",
-                                    profile=False)  # fmt: skip
-    with pytest.raises(Started):
-        bench._run_mode(args, "bf16", None, "jetrl", tmp_path, 0, [], {})
+    kw = _engine_kwargs(bench, monkeypatch, tmp_path, executor="mp")
     assert kw["distributed_executor_backend"] == "mp" and kw["in_process"] is True
     assert "profiler_config" not in kw
     # --profile: vLLM's profiler writes the worker's trace into a fresh folder, removed when the mode ends
-    args.profile = True
-    with pytest.raises(Started):
-        bench._run_mode(args, "bf16", None, "jetrl", tmp_path, 0, [], {})
-    cfg = kw["profiler_config"]
+    cfg = _engine_kwargs(bench, monkeypatch, tmp_path, executor="mp", profile=True)["profiler_config"]
     assert cfg["profiler"] == "torch" and "jetrl-trace-bf16-" in cfg["torch_profiler_dir"]
     assert not Path(cfg["torch_profiler_dir"]).exists()
 
