@@ -178,7 +178,8 @@ class RolloutConfig:
     (README) -- else 'vllm' (the baselines roll out with vLLM's own model; on CPU ``numerics: vllm-cpu``
     matches the trainer to vLLM instead)."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments for `jetrl.rollout.adapter.create_engine`."""
+    """Extra keyword arguments for `jetrl.rollout.adapter.create_engine`; none may move the model out of the
+    trainer's process (`IN_PROCESS_ENGINE_KEYS`: no worker executor, tensor / pipeline / data parallelism)."""
     ignore_eos: bool = False
     """Generate every response to `max_tokens` (benchmarks: stable token counts; such responses never
     finish with 'stop', so they earn no reward)."""
@@ -498,6 +499,7 @@ def _check_values(cfg: TrainConfig) -> None:
         )
     if "engine_ops" in cfg.rollout.engine_kwargs:
         raise _fail("rollout.engine_kwargs", "engine_ops is the key rollout.engine_ops")
+    _check_engine_in_process(cfg.rollout.engine_kwargs)
     if cfg.model.path is not None and cfg.model.tiny:
         raise _fail("model.tiny", "overrides for the embedded tiny model cannot be combined with model.path")
     if t.name not in ("arithmetic", "parquet"):
@@ -616,6 +618,28 @@ def _resolve_auto(cfg: TrainConfig) -> TrainConfig:
         graphs = cuda and cfg.model.numerics == "hf"
         cfg = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, cuda_graphs=graphs))
     return cfg
+
+
+IN_PROCESS_ENGINE_KEYS = {
+    "distributed_executor_backend": (None, "uni"),
+    "tensor_parallel_size": (1,),
+    "pipeline_parallel_size": (1,),
+    "data_parallel_size": (1,),
+}
+"""``rollout.engine_kwargs`` that would move the model out of the trainer's process, and the values that keep it
+in: `jetrl train` reaches the engine's model directly (the byte-verified weight sync, the lint's capture and the
+non-finite checks pass it Python functions that cannot be sent to another process)."""
+
+
+def _check_engine_in_process(engine_kwargs: dict[str, Any]) -> None:
+    for key, keep in IN_PROCESS_ENGINE_KEYS.items():
+        if key in engine_kwargs and engine_kwargs[key] not in keep:
+            raise _fail(
+                f"rollout.engine_kwargs.{key}",
+                f"{engine_kwargs[key]!r} would run the model in vLLM worker processes; jetrl train syncs weights into, "
+                f"lints and checks the engine's model in its own process (allowed: {', '.join(map(repr, keep))}). "
+                "Tensor-parallel and multi-GPU rollouts run through verl: python -m jetrl.verl",
+            )
 
 
 def _check_task(task: TaskConfig) -> None:

@@ -55,6 +55,12 @@ def test_defaults_and_presets():
         ({"rollout": {"engine_ops": "fused"}}, "rollout.engine_ops"),  # model.fuse_producers false
         ({"rollout": {"engine_ops": "hf"}, "model": {"fuse_producers": True}}, "rollout.engine_ops"),
         ({"rollout": {"engine_kwargs": {"engine_ops": "hf"}}}, "rollout.engine_kwargs"),
+        (
+            {"rollout": {"engine_kwargs": {"distributed_executor_backend": "mp"}}},
+            "rollout.engine_kwargs.distributed_executor_backend",
+        ),
+        ({"rollout": {"engine_kwargs": {"tensor_parallel_size": 2}}}, "rollout.engine_kwargs.tensor_parallel_size"),
+        ({"rollout": {"engine_kwargs": {"data_parallel_size": 2}}}, "rollout.engine_kwargs.data_parallel_size"),
         ({"optim": {"betas": [0.9]}}, "optim.betas"),
         ({"task": {"ops": ["/"]}}, "task.ops"),
         ({"model": {"dtype": "float16"}}, "model.dtype"),
@@ -93,6 +99,15 @@ def test_bad_config_names_field(raw, field):
     with pytest.raises(ConfigError) as ei:
         config_from_dict(raw)
     assert str(ei.value).startswith(field + ":"), str(ei.value)
+
+
+def test_the_engine_stays_in_the_trainers_process():
+    """jetrl train hands the engine's model Python functions (sync, lint, non-finite checks): engine_kwargs that
+    would put it in worker processes are refused with the way to a multi-process rollout; in-process values pass."""
+    kept = {"distributed_executor_backend": "uni", "tensor_parallel_size": 1, "enforce_eager": False}
+    assert config_from_dict({"rollout": {"engine_kwargs": kept}}).rollout.engine_kwargs == kept
+    with pytest.raises(ConfigError, match=r"'mp' would run the model in vLLM worker processes.*python -m jetrl\.verl"):
+        config_from_dict({"rollout": {"engine_kwargs": {"distributed_executor_backend": "mp"}}})
 
 
 def test_strict_numerics_pairs_with_the_trainers_ops_in_the_engine():
