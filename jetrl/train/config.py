@@ -627,8 +627,8 @@ IN_PROCESS_ENGINE_KEYS = {
     "data_parallel_size": (1,),
 }
 """``rollout.engine_kwargs`` that would move the model out of the trainer's process, and the values that keep it
-in: `jetrl train` reaches the engine's model directly (the byte-verified weight sync, the lint's capture and the
-non-finite checks pass it Python functions that cannot be sent to another process)."""
+in: `jetrl train` reaches the engine's model directly (the byte-verified weight sync and the lint's capture pass
+it Python closures, which cannot be sent to another process)."""
 
 
 def _check_engine_in_process(engine_kwargs: dict[str, Any]) -> None:
@@ -636,8 +636,8 @@ def _check_engine_in_process(engine_kwargs: dict[str, Any]) -> None:
         if key in engine_kwargs and engine_kwargs[key] not in keep:
             raise _fail(
                 f"rollout.engine_kwargs.{key}",
-                f"{engine_kwargs[key]!r} would run the model in vLLM worker processes; jetrl train syncs weights into, "
-                f"lints and checks the engine's model in its own process (allowed: {', '.join(map(repr, keep))}). "
+                f"{engine_kwargs[key]!r} would run the model in vLLM worker processes; jetrl train syncs weights into "
+                f"and lints the engine's model in its own process (allowed: {', '.join(map(repr, keep))}). "
                 "Tensor-parallel and multi-GPU rollouts run through verl: python -m jetrl.verl",
             )
 

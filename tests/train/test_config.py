@@ -102,7 +102,7 @@ def test_bad_config_names_field(raw, field):
 
 
 def test_the_engine_stays_in_the_trainers_process():
-    """jetrl train hands the engine's model Python functions (sync, lint, non-finite checks): engine_kwargs that
+    """jetrl train hands the engine's model Python closures (weight sync, lint capture): engine_kwargs that
     would put it in worker processes are refused with the way to a multi-process rollout; in-process values pass."""
     kept = {"distributed_executor_backend": "uni", "tensor_parallel_size": 1, "enforce_eager": False}
     assert config_from_dict({"rollout": {"engine_kwargs": kept}}).rollout.engine_kwargs == kept
