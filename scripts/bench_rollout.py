@@ -39,7 +39,6 @@ Intel AMX). Writes scripts/results/rollout-<cpu|gpu>.json and prints a table.
 from __future__ import annotations
 
 import argparse
-import functools
 import gc
 import json
 import os
@@ -151,29 +150,30 @@ def _model_dir(args, tmp: Path) -> tuple[Path, int]:
     return d, LLAMA_8B["vocab_size"]
 
 
-def _profile(engine, batch: int, in_len: int, tokens: int, vocab: int, host: bool = False) -> dict:
+def _profile(
+    engine, batch: int, in_len: int, tokens: int, vocab: int, host: bool = False, trace_dir: Path | None = None
+) -> dict:
     """`profiling.profile_cuda` (`host`: `profiling.profile_host`) of one generate of `batch` prompts x `tokens`
-    output tokens, after a warm-up at the same shape."""
+    output tokens, after a warm-up at the same shape. With `trace_dir` the model runs in another process
+    (`_profile_worker`)."""
     prompts = _prompts(batch, in_len, vocab, 1)
 
     def generate():
         return engine.generate(prompts, max_tokens=tokens, seed=1, ignore_eos=True)
 
     generate()
-    summary = (profile_host if host else profile_cuda)(generate, steps=tokens)
+    if trace_dir is not None:
+        summary = _profile_worker(engine, generate, tokens, trace_dir)
+    else:
+        summary = (profile_host if host else profile_cuda)(generate, steps=tokens)
     return {"batch": batch, "input_len": in_len, **summary}
 
 
-def _profile_worker(engine, batch: int, in_len: int, tokens: int, vocab: int, *, trace_dir: Path) -> dict:
-    """As `_profile` for an engine whose model runs in another process: vLLM's own profiler (the engine was
-    created with a ``profiler_config`` writing to `trace_dir`) records the worker during one generate, timed
-    here; the GPU time comes from the worker's trace (`profiling.trace_device_time`; tensor-parallel rank 0's)."""
-    prompts = _prompts(batch, in_len, vocab, 1)
-
-    def generate():
-        return engine.generate(prompts, max_tokens=tokens, seed=1, ignore_eos=True)
-
-    generate()
+def _profile_worker(engine, generate, tokens: int, trace_dir: Path) -> dict:
+    """`profiling.profile_summary` of one call of `generate` when the engine's model runs in another process:
+    vLLM's own profiler (the engine was created with a ``profiler_config`` writing to `trace_dir`) records the
+    worker meanwhile, the call is timed here, and the GPU time comes from the trace the worker wrote
+    (`profiling.trace_device_time`; tensor-parallel rank 0's)."""
     before = set(trace_dir.glob("*.pt.trace.json*"))
     engine.llm.start_profile()
     t0 = time.perf_counter()
@@ -185,7 +185,7 @@ def _profile_worker(engine, batch: int, in_len: int, tokens: int, vocab: int, *,
     if not rank0:
         raise RuntimeError(f"vLLM's profiler wrote no trace into {trace_dir}")
     summary = profile_summary(trace_device_time(rank0[0]), wall_s=wall, steps=tokens)
-    return {"batch": batch, "input_len": in_len, "profiled_in": "vLLM worker (vLLM's profiler)", **summary}
+    return {"profiled_in": "vLLM worker (vLLM's profiler)", **summary}
 
 
 def _trainer(args, recipe):
@@ -265,8 +265,7 @@ def _measure(args, mode, recipe, engine, vocab, shapes, result, trace_dir: Path 
     result["decode"][mode] = [_decode(engine, shape, vocab, 0, args.repeats) for shape in shapes]
     b, i, _ = shapes[-1]
     if args.profile:
-        profile = _profile if trace_dir is None else functools.partial(_profile_worker, trace_dir=trace_dir)
-        result["profile"][mode] = profile(engine, b, i, args.profile_tokens, vocab)
+        result["profile"][mode] = _profile(engine, b, i, args.profile_tokens, vocab, trace_dir=trace_dir)
     if args.host_profile:
         result["host_profile"][mode] = _profile(engine, b, i, args.profile_tokens, vocab, host=True)
     if mode in args.sync_modes:

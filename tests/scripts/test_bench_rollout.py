@@ -165,8 +165,9 @@ def test_trace_device_time_reads_kernels_and_copies_of_a_chrome_trace(bench, tmp
 
 
 def test_profile_worker_times_the_generate_and_reads_rank_0s_new_trace(bench, tmp_path):
-    """`_profile_worker` profiles one generate after a warm-up, between vLLM's start/stop_profile, and sums the
-    device time of the trace rank 0 wrote then (an older trace in the folder and other ranks' are not read)."""
+    """`_profile` with a trace folder profiles one generate after a warm-up, between vLLM's start/stop_profile,
+    and sums the device time of the trace rank 0 wrote then (an older trace in the folder and other ranks' are
+    not read)."""
     _chrome_trace(tmp_path / "rank0.old.pt.trace.json", [{**KERNELS[0], "dur": 1e6}])
     calls = []
 
@@ -185,13 +186,13 @@ def test_profile_worker_times_the_generate_and_reads_rank_0s_new_trace(bench, tm
         def generate(self, prompts, *, max_tokens, seed, ignore_eos):
             calls.append(("generate", len(prompts), len(prompts[0]), max_tokens))
 
-    out = bench._profile_worker(FakeEngine(), 4, 8, 2, 100, trace_dir=tmp_path)
+    out = bench._profile(FakeEngine(), 4, 8, 2, 100, trace_dir=tmp_path)
     assert calls == [("generate", 4, 8, 2), "start", ("generate", 4, 8, 2), "stop"]
     assert out["batch"] == 4 and out["steps"] == 2 and out["gpu_busy_ms_per_step"] == pytest.approx(0.021)
     assert {k["name"] for k in out["top_kernels"]} == {"gemm", "Memcpy DtoH"}
     FakeLLM.stop_profile = lambda self: None  # noqa: ARG005 - a profiler that wrote nothing
     with pytest.raises(RuntimeError, match="wrote no trace"):
-        bench._profile_worker(FakeEngine(), 4, 8, 2, 100, trace_dir=tmp_path)
+        bench._profile(FakeEngine(), 4, 8, 2, 100, trace_dir=tmp_path)
 
 
 @pytest.mark.vllm
@@ -217,6 +218,6 @@ def test_profile_worker_drives_vllms_profiler_in_a_worker_process(bench, tmp_pat
     engine = create_engine(ckpt, Recipe.from_name("bf16"), seed=0, max_model_len=64, backend="emulated", **kw)
     try:
         with pytest.raises(ValueError, match=r"rank0\..*pt\.trace\.json.*: no kernel/gpu_memcpy/gpu_memset events"):
-            bench._profile_worker(engine, 2, 4, 4, 70, trace_dir=trace_dir)
+            bench._profile(engine, 2, 4, 4, 70, trace_dir=trace_dir)
     finally:
         engine.close()
