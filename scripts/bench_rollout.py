@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 
 import benchmeta
-from profiling import profile_cuda, profile_host, profile_summary, trace_device_time
+from profiling import profile_cuda, profile_host, profile_summary, trace_device_time, trace_launches
 from shape_model import reusable_model_dir
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -173,7 +173,7 @@ def _profile_worker(engine, generate, tokens: int, trace_dir: Path) -> dict:
     """`profiling.profile_summary` of one call of `generate` when the engine's model runs in another process:
     vLLM's own profiler (the engine was created with a ``profiler_config`` writing to `trace_dir`) records the
     worker meanwhile, the call is timed here, and the GPU time comes from the trace the worker wrote
-    (`profiling.trace_device_time`; tensor-parallel rank 0's)."""
+    (`profiling.trace_device_time`, `profiling.trace_launches`; tensor-parallel rank 0's)."""
     before = set(trace_dir.glob("*.pt.trace.json*"))
     engine.llm.start_profile()
     t0 = time.perf_counter()
@@ -184,7 +184,8 @@ def _profile_worker(engine, generate, tokens: int, trace_dir: Path) -> dict:
     rank0 = [t for t in traces if t.name.startswith("rank0.")] or traces
     if not rank0:
         raise RuntimeError(f"vLLM's profiler wrote no trace into {trace_dir}")
-    summary = profile_summary(trace_device_time(rank0[0]), wall_s=wall, steps=tokens)
+    trace = rank0[0]
+    summary = profile_summary(trace_device_time(trace), wall_s=wall, steps=tokens, launches=trace_launches(trace))
     return {"profiled_in": "vLLM worker (vLLM's profiler)", **summary}
 
 
@@ -261,7 +262,11 @@ def _measure(args, mode, recipe, engine, vocab, shapes, result, trace_dir: Path 
     from jetrl.rollout.sync import sync_weights
 
     result["engine_start_s"][mode] = engine.start_seconds
-    print(f"[{mode}] engine start {engine.start_seconds:.1f} s ({engine.quantization})", flush=True)
+    result["kv_cache_tokens"][mode] = kv = engine.kv_cache_tokens
+    print(f"[{mode}] engine start {engine.start_seconds:.1f} s ({engine.quantization}), KV {kv} tokens", flush=True)
+    for b, i, o in shapes:
+        if kv is not None and b * (i + o) > kv:
+            print(f"[{mode}] batch {b} x ({i} + {o}) tokens exceeds the KV cache: vLLM preempts requests", flush=True)
     result["decode"][mode] = [_decode(engine, shape, vocab, 0, args.repeats) for shape in shapes]
     b, i, _ = shapes[-1]
     if args.profile:
@@ -316,6 +321,7 @@ def _run_child(mode: str, tmp: Path, result: dict) -> None:
 _PER_MODE = (
     "decode",
     "engine_start_s",
+    "kv_cache_tokens",
     "sync",
     "unavailable",
     "errors",
@@ -386,6 +392,7 @@ def run(args, out: Path | None = None) -> dict:
         "tok_s_note": "median of repeats; decode = prompts of input_len random ids, output_len tokens, ignore_eos",
         "decode": {},
         "engine_start_s": {},
+        "kv_cache_tokens": {},
         "sync": {},
         "unavailable": {},
         "errors": {},
@@ -436,9 +443,11 @@ def _table(result: dict) -> str:
         lines.append(f"|dlogp| {name:18s} mean {m['mean_abs']:.5f} max {m['max_abs']:.5f} ({m['tokens']} tokens)")
     for mode, pr in result.get("profile", {}).items():
         head = ", ".join(f"{k['name'][:40]} {k['share']:.0%}" for k in pr["top_kernels"][:3])
+        launches = pr.get("launches_per_step")
+        launched = f", {launches['graph']:.1f} graph / {launches['kernel']:.1f} kernel launches" if launches else ""
         lines.append(
             f"profile {mode} (batch {pr['batch']}): {pr['wall_ms_per_step']:.2f} ms/step wall, "
-            f"{pr['gpu_busy_ms_per_step']:.2f} GPU-busy; top: {head}"
+            f"{pr['gpu_busy_ms_per_step']:.2f} GPU-busy{launched}; top: {head}"
         )
     for mode, hp in result.get("host_profile", {}).items():
         head = ", ".join(f"{f['function'][:48]} {f['share']:.0%}" for f in hp["top_functions"][:4])

@@ -8,24 +8,55 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["profile_summary", "profile_cuda", "profile_host", "trace_device_time", "DEVICE_EVENT_CATEGORIES"]
+__all__ = [
+    "profile_summary",
+    "profile_cuda",
+    "profile_host",
+    "trace_device_time",
+    "trace_launches",
+    "launch_kind",
+    "DEVICE_EVENT_CATEGORIES",
+]
 
 DEVICE_EVENT_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 """Chrome-trace categories of device activity (what `profile_cuda` counts as device time)."""
 
+LAUNCH_CALLS = {
+    "graph": ("cudaGraphLaunch", "cuGraphLaunch"),
+    "kernel": ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel", "cuLaunchCooperativeKernel"),
+}
+"""Host CUDA runtime / driver calls that start device work: a CUDA-graph replay, or one kernel launched on its
+own (eager PyTorch, Triton, a library). Profilers may suffix the API version (``cudaGraphLaunch_v10000``)."""
 
-def profile_summary(kernels: list[tuple[str, int, float]], *, wall_s: float, steps: int, top: int = 15) -> dict:
+
+def launch_kind(name: str) -> str | None:
+    """``"graph"`` / ``"kernel"`` for a host call of `LAUNCH_CALLS` (version suffix and ``Ex`` / ``ExC`` variants
+    included: ``cuLaunchKernelEx``, ``cudaLaunchKernelExC_v11060``), else None."""
+    base = name.split("_v", 1)[0].removesuffix("ExC").removesuffix("Ex")
+    return next((kind for kind, calls in LAUNCH_CALLS.items() if base in calls), None)
+
+
+def profile_summary(
+    kernels: list[tuple[str, int, float]],
+    *,
+    wall_s: float,
+    steps: int,
+    top: int = 15,
+    launches: dict[str, int] | None = None,
+) -> dict:
     """Where a step's time goes, from ``(kernel name, calls, GPU microseconds)`` of a profiled run of `steps`
     steps (e.g. output tokens of a generate) that took `wall_s`: wall and GPU-busy ms per step (their gap is
     host time the GPU waited through, when kernels do not overlap) and the `top` kernels by GPU time, with
-    their share."""
+    their share. `launches` (host calls per `launch_kind`, over the run) adds ``launches_per_step``: about one
+    graph replay and a few kernels a step where a decode step replays a CUDA graph, hundreds of kernels where
+    it runs eagerly."""
     if steps < 1 or wall_s <= 0:
         raise ValueError(f"profile_summary: steps={steps}, wall_s={wall_s} must be positive")
     busy_us = sum(us for _, _, us in kernels)
     if busy_us <= 0:
         raise ValueError("profile_summary: no GPU kernel time was recorded (CUDA activity profiling unavailable?)")
     rows = sorted(kernels, key=lambda k: -k[2])[:top]
-    return {
+    out = {
         "steps": steps,
         "wall_ms_per_step": wall_s * 1e3 / steps,
         "gpu_busy_ms_per_step": busy_us / 1e3 / steps,
@@ -34,6 +65,9 @@ def profile_summary(kernels: list[tuple[str, int, float]], *, wall_s: float, ste
             for n, c, us in rows
         ],
     }
+    if launches is not None:
+        out["launches_per_step"] = {kind: launches.get(kind, 0) / steps for kind in LAUNCH_CALLS}
+    return out
 
 
 def profile_cuda(fn: Callable[[], object], *, steps: int, top: int = 15) -> dict:
@@ -49,12 +83,13 @@ def profile_cuda(fn: Callable[[], object], *, steps: int, top: int = 15) -> dict
         fn()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    kernels = [
-        (e.key, e.count, e.self_device_time_total)
-        for e in prof.key_averages()
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0
-    ]
-    return profile_summary(kernels, wall_s=wall, steps=steps, top=top)
+    kernels, launches = [], dict.fromkeys(LAUNCH_CALLS, 0)
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0:
+            kernels.append((e.key, e.count, e.self_device_time_total))
+        elif (kind := launch_kind(e.key)) is not None:
+            launches[kind] += e.count
+    return profile_summary(kernels, wall_s=wall, steps=steps, top=top, launches=launches)
 
 
 def trace_device_time(path: str | Path) -> list[tuple[str, int, float]]:
@@ -62,17 +97,9 @@ def trace_device_time(path: str | Path) -> list[tuple[str, int, float]]:
     (``.json`` or ``.json.gz``, as ``tensorboard_trace_handler`` writes it; e.g. the trace of a vLLM worker
     process, profiled by vLLM's own profiler), for `profile_summary`. A trace without such events is refused:
     it was recorded without CUDA activity."""
-    import gzip
-    import json
-
     path = Path(path)
-    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    data = json.loads(raw)
-    events = data.get("traceEvents") if isinstance(data, dict) else None
-    if not isinstance(events, list):
-        raise ValueError(f"{path}: no traceEvents list; not a torch.profiler Chrome trace")
     per: dict[str, list[float]] = {}
-    for e in events:
+    for e in _trace_events(path):
         if e.get("ph") == "X" and e.get("cat") in DEVICE_EVENT_CATEGORIES:
             calls_us = per.setdefault(e["name"], [0, 0.0])
             calls_us[0] += 1
@@ -80,6 +107,28 @@ def trace_device_time(path: str | Path) -> list[tuple[str, int, float]]:
     if not per:
         raise ValueError(f"{path}: no {'/'.join(DEVICE_EVENT_CATEGORIES)} events (recorded without CUDA activity?)")
     return [(name, int(c), us) for name, (c, us) in per.items()]
+
+
+def trace_launches(path: str | Path) -> dict[str, int]:
+    """Host launch calls per `launch_kind` in a torch.profiler Chrome trace (its CUDA runtime / driver events),
+    for `profile_summary`'s ``launches``."""
+    launches = dict.fromkeys(LAUNCH_CALLS, 0)
+    for e in _trace_events(Path(path)):
+        if e.get("ph") == "X" and (kind := launch_kind(str(e.get("name", "")))) is not None:
+            launches[kind] += 1
+    return launches
+
+
+def _trace_events(path: Path) -> list[dict]:
+    import gzip
+    import json
+
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    data = json.loads(raw)
+    events = data.get("traceEvents") if isinstance(data, dict) else None
+    if not isinstance(events, list):
+        raise ValueError(f"{path}: no traceEvents list; not a torch.profiler Chrome trace")
+    return events
 
 
 def profile_host(fn: Callable[[], object], *, steps: int, top: int = 20) -> dict:

@@ -454,6 +454,13 @@ class Engine:
             )
 
     @property
+    def kv_cache_tokens(self) -> int | None:
+        """Tokens the KV cache holds (vLLM's block count x block size, as the engine sized it at start; None before
+        vLLM reports a size). Requests whose prompts + outputs need more are preempted and recomputed."""
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        return cache.num_gpu_blocks * cache.block_size if cache.num_gpu_blocks else None
+
+    @property
     def quantization(self) -> str | None:
         """The vLLM quantization method the engine runs (None for BF16)."""
         return self.llm.llm_engine.vllm_config.model_config.quantization

@@ -21,7 +21,7 @@ from jetrl.rollout.checkpoint import save_fp8_checkpoint  # noqa: E402
 from jetrl.rollout.engine_match import match_vllm_cpu  # noqa: E402
 from jetrl.rollout.parity import logprob_mismatch  # noqa: E402
 from jetrl.rollout.sync import WeightSyncError, sync_weights, trainer_payload, verify_weights  # noqa: E402
-from jetrl.tiny import CharTokenizer, build_tiny_model, save_tiny_checkpoint  # noqa: E402
+from jetrl.tiny import TINY_DEFAULTS, CharTokenizer, build_tiny_model, save_tiny_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -173,6 +173,15 @@ def test_sleep_is_refused_with_the_reason_on_cpu(setups):
         pytest.skip("this platform supports sleep mode")
     with pytest.raises(NotImplementedError, match="sleep mode is not available"):
         engine.sleep()
+
+
+def test_kv_cache_tokens_is_the_cache_the_engine_was_given(setups):
+    """`Engine.kv_cache_tokens` (what bench_rollout records to tell a preempting engine from a slow one): the
+    16 MiB cache holds 16 MiB / (K and V x layers x KV heads x head_dim x 2 bytes) tokens of the BF16 cache."""
+    cfg = TINY_DEFAULTS
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    for name, (_, _, engine, _, _) in setups.items():
+        assert engine.kv_cache_tokens == ENGINE_KW["kv_cache_memory_bytes"] // per_token, name
 
 
 def test_generate_takes_a_budget_per_prompt(setups):

@@ -144,16 +144,20 @@ KERNELS = [
     {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH", "ts": 60, "dur": 2.0},
     {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500.0},  # host: not device time
     {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 5.0},
+    {"ph": "X", "cat": "cuda_driver", "name": "cuLaunchKernelEx", "ts": 6, "dur": 5.0},
+    {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch_v10000", "ts": 12, "dur": 5.0},
+    {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 18, "dur": 5.0},
     {"ph": "i", "cat": "kernel", "name": "marker", "ts": 70},  # not a duration event
 ]
 
 
 def test_trace_device_time_reads_kernels_and_copies_of_a_chrome_trace(bench, tmp_path):
-    from profiling import profile_summary, trace_device_time
+    from profiling import profile_summary, trace_device_time, trace_launches
 
     for name in ("rank0.1.pt.trace.json.gz", "rank0.2.pt.trace.json"):
         got = sorted(trace_device_time(_chrome_trace(tmp_path / name, KERNELS)))
         assert got == [("Memcpy DtoH", 1, 2.0), ("gemm", 2, 40.0)]
+        assert trace_launches(tmp_path / name) == {"graph": 1, "kernel": 2}
     summary = profile_summary(got, wall_s=0.001, steps=2)
     assert summary["gpu_busy_ms_per_step"] == pytest.approx(0.021) and summary["wall_ms_per_step"] == 0.5
     with pytest.raises(ValueError, match="no kernel/gpu_memcpy/gpu_memset events"):
@@ -189,6 +193,7 @@ def test_profile_worker_times_the_generate_and_reads_rank_0s_new_trace(bench, tm
     out = bench._profile(FakeEngine(), 4, 8, 2, 100, trace_dir=tmp_path)
     assert calls == [("generate", 4, 8, 2), "start", ("generate", 4, 8, 2), "stop"]
     assert out["batch"] == 4 and out["steps"] == 2 and out["gpu_busy_ms_per_step"] == pytest.approx(0.021)
+    assert out["launches_per_step"] == {"graph": 0.5, "kernel": 1.0}
     assert {k["name"] for k in out["top_kernels"]} == {"gemm", "Memcpy DtoH"}
     FakeLLM.stop_profile = lambda self: None  # noqa: ARG005 - a profiler that wrote nothing
     with pytest.raises(RuntimeError, match="wrote no trace"):

@@ -14,8 +14,24 @@ def test_profile_summary_per_step_and_top_kernels():
     assert s["wall_ms_per_step"] == 20.0 and s["gpu_busy_ms_per_step"] == 10000.0 / 1e3 / 64
     assert [k["name"] for k in s["top_kernels"]] == ["gemm", "sampler"]  # by GPU time, cut to `top`
     assert s["top_kernels"][0] == {"name": "gemm", "calls_per_step": 10.0, "gpu_us_per_step": 100.0, "share": 0.64}
+    assert "launches_per_step" not in s
     with pytest.raises(ValueError, match="no GPU kernel time was recorded"):
         prof.profile_summary([], wall_s=1.0, steps=4)
+
+
+def test_launches_per_step_tell_graph_replays_from_eager_launches():
+    prof = load_script("profiling")
+    s = prof.profile_summary([("gemm", 64, 640.0)], wall_s=1.0, steps=64, launches={"graph": 64, "kernel": 192})
+    assert s["launches_per_step"] == {"graph": 1.0, "kernel": 3.0}
+    assert prof.profile_summary([("g", 1, 1.0)], wall_s=1.0, steps=2, launches={})["launches_per_step"] == {
+        "graph": 0.0,
+        "kernel": 0.0,
+    }
+    graph = ("cudaGraphLaunch", "cudaGraphLaunch_v10000", "cuGraphLaunch")
+    kernel = ("cudaLaunchKernel", "cudaLaunchKernelExC_v11060", "cuLaunchKernel", "cuLaunchKernelEx")
+    assert {prof.launch_kind(n) for n in graph} == {"graph"} and {prof.launch_kind(n) for n in kernel} == {"kernel"}
+    for other in ("cudaMemcpyAsync", "cudaStreamSynchronize", "aten::mm", "cudaGraphInstantiate", "cuLaunchHostFunc"):
+        assert prof.launch_kind(other) is None, other
 
 
 def test_profile_host_names_the_function_that_spends_the_host_time():
