@@ -224,11 +224,7 @@ def _run_mode(args, mode, recipe, rollout, path, vocab, shapes, result) -> None:
     trace_dir = None
     if args.profile and _out_of_process(args):  # vLLM's profiler records the model's process
         trace_dir = Path(tempfile.mkdtemp(prefix=f"jetrl-trace-{mode}-"))
-        kw["profiler_config"] = {
-            "profiler": "torch",
-            "torch_profiler_dir": str(trace_dir),
-            "torch_profiler_with_stack": False,
-        }
+        kw["profiler_config"] = worker_profiler_config(trace_dir)
     try:
         engine = create_engine(
             path,
@@ -249,6 +245,12 @@ def _run_mode(args, mode, recipe, rollout, path, vocab, shapes, result) -> None:
     finally:
         if trace_dir is not None:
             shutil.rmtree(trace_dir, ignore_errors=True)
+
+
+def worker_profiler_config(trace_dir: Path) -> dict:
+    """vLLM's ``profiler_config`` for `_profile_worker`: torch.profiler in the model's processes, traces into
+    `trace_dir`, no Python stacks."""
+    return {"profiler": "torch", "torch_profiler_dir": str(trace_dir), "torch_profiler_with_stack": False}
 
 
 def _out_of_process(args) -> bool:

@@ -215,14 +215,43 @@ def test_profile_worker_drives_vllms_profiler_in_a_worker_process(bench, tmp_pat
     ckpt = save_tiny_checkpoint(tmp_path / "tiny", seed=0)
     trace_dir = tmp_path / "traces"
     kw = {"distributed_executor_backend": "mp", "kv_cache_memory_bytes": 16 << 20}
-    kw["profiler_config"] = {
-        "profiler": "torch",
-        "torch_profiler_dir": str(trace_dir),
-        "torch_profiler_with_stack": False,
-    }
+    kw["profiler_config"] = bench.worker_profiler_config(trace_dir)
     engine = create_engine(ckpt, Recipe.from_name("bf16"), seed=0, max_model_len=64, backend="emulated", **kw)
     try:
         with pytest.raises(ValueError, match=r"rank0\..*pt\.trace\.json.*: no kernel/gpu_memcpy/gpu_memset events"):
             bench._profile(engine, 2, 4, 4, 70, trace_dir=trace_dir)
     finally:
         engine.close()
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not _cuda(), reason="CUDA graphs and CUDA launch counts need a GPU")
+@pytest.mark.parametrize("executor", ["uni", "mp"])
+@pytest.mark.parametrize(("recipe", "ops"), [("bf16", "vllm"), ("jetrl-unified", "hf"), ("jetrl-unified", "fused")])
+def test_engines_decode_through_cuda_graphs(bench, tmp_path, recipe, ops, executor):
+    """No quiet fall-back to eager decoding: with CUDA graphs on, every decode step of a generate replays a graph
+    (`_profile`'s ``launches_per_step``: at least 0.9 graph launches a step; an eager step launches none), for
+    vLLM's model and jetrl's engines, in process and in verl's layout (``executor`` mp: the model in a vLLM worker
+    process, profiled by vLLM's profiler), where the ``fused`` engine decoded erratically on the H200."""
+    pytest.importorskip("vllm")
+    from jetrl.rollout.adapter import create_engine
+    from jetrl.tiny import save_tiny_checkpoint
+
+    ckpt = save_tiny_checkpoint(tmp_path / "tiny", seed=0)
+    kw, trace_dir = {}, None
+    if executor == "mp":
+        trace_dir = tmp_path / "traces"
+        kw["distributed_executor_backend"] = "mp"
+        kw["profiler_config"] = bench.worker_profiler_config(trace_dir)
+    engine = create_engine(ckpt, recipe, seed=0, max_model_len=128, enforce_eager=False, engine_ops=ops, **kw)
+    try:
+        prof = bench._profile(engine, 8, 8, 32, 70, trace_dir=trace_dir)
+    finally:
+        engine.close()
+    assert prof["launches_per_step"]["graph"] >= 0.9, prof["launches_per_step"]
