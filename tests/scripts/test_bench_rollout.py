@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from scripts_cases import load_script
 
+from jetrl.testing.numerics import has_sm90
+
 
 @pytest.fixture(scope="module")
 def bench():
@@ -224,14 +226,9 @@ def test_profile_worker_drives_vllms_profiler_in_a_worker_process(bench, tmp_pat
         engine.close()
 
 
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
+@pytest.mark.gpu
 @pytest.mark.vllm
-@pytest.mark.skipif(not _cuda(), reason="CUDA graphs and CUDA launch counts need a GPU")
+@pytest.mark.skipif(not has_sm90(), reason="needs an sm_90 GPU (vLLM 0.26 with CUDA graphs, DeepGEMM)")
 @pytest.mark.parametrize("executor", ["uni", "mp"])
 @pytest.mark.parametrize(("recipe", "ops"), [("bf16", "vllm"), ("jetrl-unified", "hf"), ("jetrl-unified", "fused")])
 def test_engines_decode_through_cuda_graphs(bench, tmp_path, recipe, ops, executor):
@@ -244,7 +241,7 @@ def test_engines_decode_through_cuda_graphs(bench, tmp_path, recipe, ops, execut
     from jetrl.tiny import save_tiny_checkpoint
 
     ckpt = save_tiny_checkpoint(tmp_path / "tiny", seed=0)
-    kw, trace_dir = {}, None
+    kw, trace_dir = {"compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8]}}, None
     if executor == "mp":
         trace_dir = tmp_path / "traces"
         kw["distributed_executor_backend"] = "mp"
