@@ -458,6 +458,8 @@ def _table(result: dict) -> str:
             f"({hp['profiled_wall_ms_per_step']:.2f} profiled); top: {head}"
         )
     lines.append("engine start s: " + ", ".join(f"{k} {v:.1f}" for k, v in result["engine_start_s"].items()))
+    if result.get("kv_cache_tokens"):
+        lines.append("KV cache tokens: " + ", ".join(f"{k} {v}" for k, v in result["kv_cache_tokens"].items()))
     return "\n".join(lines)
 
 
