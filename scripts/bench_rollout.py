@@ -181,9 +181,11 @@ def _profile_worker(engine, generate, tokens: int, trace_dir: Path) -> dict:
     wall = time.perf_counter() - t0
     engine.llm.stop_profile()  # the workers write their traces before it returns
     traces = sorted(set(trace_dir.glob("*.pt.trace.json*")) - before)
-    rank0 = [t for t in traces if t.name.startswith("rank0.")] or traces
+    # vLLM names a worker's trace <prefix>_<rank suffix>.<time>.pt.trace.json.gz, the suffix ending in rank<global
+    # rank> (dp0_pp0_tp0_dcp0_ep0_rank0), or rank<global rank> alone before the parallel state exists
+    rank0 = [t for t in traces if t.name.split(".", 1)[0].split("_")[-1] == "rank0"]
     if not rank0:
-        raise RuntimeError(f"vLLM's profiler wrote no trace into {trace_dir}")
+        raise RuntimeError(f"vLLM's profiler wrote no rank-0 trace into {trace_dir} (new: {[t.name for t in traces]})")
     trace = rank0[0]
     summary = profile_summary(trace_device_time(trace), wall_s=wall, steps=tokens, launches=trace_launches(trace))
     return {"profiled_in": "vLLM worker (vLLM's profiler)", **summary}

@@ -174,7 +174,7 @@ def test_profile_worker_times_the_generate_and_reads_rank_0s_new_trace(bench, tm
     """`_profile` with a trace folder profiles one generate after a warm-up, between vLLM's start/stop_profile,
     and sums the device time of the trace rank 0 wrote then (an older trace in the folder and other ranks' are
     not read)."""
-    _chrome_trace(tmp_path / "rank0.old.pt.trace.json", [{**KERNELS[0], "dur": 1e6}])
+    _chrome_trace(tmp_path / "dp0_pp0_tp0_dcp0_ep0_rank0.1.pt.trace.json", [{**KERNELS[0], "dur": 1e6}])
     calls = []
 
     class FakeLLM:
@@ -183,8 +183,8 @@ def test_profile_worker_times_the_generate_and_reads_rank_0s_new_trace(bench, tm
 
         def stop_profile(self):
             calls.append("stop")
-            _chrome_trace(tmp_path / "rank1.9.pt.trace.json.gz", [{**KERNELS[0], "dur": 1e6}])
-            _chrome_trace(tmp_path / "rank0.9.pt.trace.json.gz", KERNELS)
+            _chrome_trace(tmp_path / "dp0_pp0_tp1_dcp0_ep0_rank1.9.pt.trace.json.gz", [{**KERNELS[0], "dur": 1e6}])
+            _chrome_trace(tmp_path / "dp0_pp0_tp0_dcp0_ep0_rank0.9.pt.trace.json.gz", KERNELS)
 
     class FakeEngine:
         llm = FakeLLM()
@@ -198,7 +198,10 @@ def test_profile_worker_times_the_generate_and_reads_rank_0s_new_trace(bench, tm
     assert out["launches_per_step"] == {"graph": 0.5, "kernel": 1.0}
     assert {k["name"] for k in out["top_kernels"]} == {"gemm", "Memcpy DtoH"}
     FakeLLM.stop_profile = lambda self: None  # noqa: ARG005 - a profiler that wrote nothing
-    with pytest.raises(RuntimeError, match="wrote no trace"):
+    with pytest.raises(RuntimeError, match=r"wrote no rank-0 trace .* \(new: \[\]\)"):
+        bench._profile(FakeEngine(), 4, 8, 2, 100, trace_dir=tmp_path)
+    FakeLLM.stop_profile = lambda self: _chrome_trace(tmp_path / "rank10.9.pt.trace.json", KERNELS)  # noqa: ARG005
+    with pytest.raises(RuntimeError, match=r"no rank-0 trace .*rank10\.9\.pt\.trace\.json"):
         bench._profile(FakeEngine(), 4, 8, 2, 100, trace_dir=tmp_path)
 
 
