@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 
 import benchmeta
-from profiling import profile_cuda, profile_host, profile_summary, trace_device_time, trace_launches
+from profiling import profile_cuda, profile_host, profile_summary, read_trace
 from shape_model import reusable_model_dir
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -173,7 +173,7 @@ def _profile_worker(engine, generate, tokens: int, trace_dir: Path) -> dict:
     """`profiling.profile_summary` of one call of `generate` when the engine's model runs in another process:
     vLLM's own profiler (the engine was created with a ``profiler_config`` writing to `trace_dir`) records the
     worker meanwhile, the call is timed here, and the GPU time comes from the trace the worker wrote
-    (`profiling.trace_device_time`, `profiling.trace_launches`; tensor-parallel rank 0's)."""
+    (`profiling.read_trace`; tensor-parallel rank 0's)."""
     before = set(trace_dir.glob("*.pt.trace.json*"))
     engine.llm.start_profile()
     t0 = time.perf_counter()
@@ -186,8 +186,8 @@ def _profile_worker(engine, generate, tokens: int, trace_dir: Path) -> dict:
     rank0 = [t for t in traces if t.name.split(".", 1)[0].split("_")[-1] == "rank0"]
     if not rank0:
         raise RuntimeError(f"vLLM's profiler wrote no rank-0 trace into {trace_dir} (new: {[t.name for t in traces]})")
-    trace = rank0[0]
-    summary = profile_summary(trace_device_time(trace), wall_s=wall, steps=tokens, launches=trace_launches(trace))
+    kernels, launches = read_trace(rank0[0])
+    summary = profile_summary(kernels, wall_s=wall, steps=tokens, launches=launches)
     return {"profiled_in": "vLLM worker (vLLM's profiler)", **summary}
 
 

@@ -12,8 +12,7 @@ __all__ = [
     "profile_summary",
     "profile_cuda",
     "profile_host",
-    "trace_device_time",
-    "trace_launches",
+    "read_trace",
     "launch_kind",
     "DEVICE_EVENT_CATEGORIES",
 ]
@@ -92,43 +91,35 @@ def profile_cuda(fn: Callable[[], object], *, steps: int, top: int = 15) -> dict
     return profile_summary(kernels, wall_s=wall, steps=steps, top=top, launches=launches)
 
 
-def trace_device_time(path: str | Path) -> list[tuple[str, int, float]]:
-    """``(name, calls, device microseconds)`` per kernel / memcpy / memset of a torch.profiler Chrome trace
-    (``.json`` or ``.json.gz``, as ``tensorboard_trace_handler`` writes it; e.g. the trace of a vLLM worker
-    process, profiled by vLLM's own profiler), for `profile_summary`. A trace without such events is refused:
-    it was recorded without CUDA activity."""
-    path = Path(path)
-    per: dict[str, list[float]] = {}
-    for e in _trace_events(path):
-        if e.get("ph") == "X" and e.get("cat") in DEVICE_EVENT_CATEGORIES:
-            calls_us = per.setdefault(e["name"], [0, 0.0])
-            calls_us[0] += 1
-            calls_us[1] += float(e["dur"])
-    if not per:
-        raise ValueError(f"{path}: no {'/'.join(DEVICE_EVENT_CATEGORIES)} events (recorded without CUDA activity?)")
-    return [(name, int(c), us) for name, (c, us) in per.items()]
-
-
-def trace_launches(path: str | Path) -> dict[str, int]:
-    """Host launch calls per `launch_kind` in a torch.profiler Chrome trace (its CUDA runtime / driver events),
-    for `profile_summary`'s ``launches``."""
-    launches = dict.fromkeys(LAUNCH_CALLS, 0)
-    for e in _trace_events(Path(path)):
-        if e.get("ph") == "X" and (kind := launch_kind(str(e.get("name", "")))) is not None:
-            launches[kind] += 1
-    return launches
-
-
-def _trace_events(path: Path) -> list[dict]:
+def read_trace(path: str | Path) -> tuple[list[tuple[str, int, float]], dict[str, int]]:
+    """What `profile_summary` takes, from one read of a torch.profiler Chrome trace (``.json`` or ``.json.gz``,
+    as ``tensorboard_trace_handler`` writes it; e.g. a vLLM worker's, profiled by vLLM's own profiler):
+    ``(name, calls, device microseconds)`` per kernel / memcpy / memset, and the host launch calls per
+    `launch_kind` (its CUDA runtime / driver events). A trace without device events is refused: it was recorded
+    without CUDA activity."""
     import gzip
     import json
 
+    path = Path(path)
     raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
     data = json.loads(raw)
     events = data.get("traceEvents") if isinstance(data, dict) else None
     if not isinstance(events, list):
         raise ValueError(f"{path}: no traceEvents list; not a torch.profiler Chrome trace")
-    return events
+    per: dict[str, list[float]] = {}
+    launches = dict.fromkeys(LAUNCH_CALLS, 0)
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        if e.get("cat") in DEVICE_EVENT_CATEGORIES:
+            calls_us = per.setdefault(e["name"], [0, 0.0])
+            calls_us[0] += 1
+            calls_us[1] += float(e["dur"])
+        elif (kind := launch_kind(str(e.get("name", "")))) is not None:
+            launches[kind] += 1
+    if not per:
+        raise ValueError(f"{path}: no {'/'.join(DEVICE_EVENT_CATEGORIES)} events (recorded without CUDA activity?)")
+    return [(name, int(c), us) for name, (c, us) in per.items()], launches
 
 
 def profile_host(fn: Callable[[], object], *, steps: int, top: int = 20) -> dict:

