@@ -47,7 +47,7 @@ def profile_summary(
     steps (e.g. output tokens of a generate) that took `wall_s`: wall and GPU-busy ms per step (their gap is
     host time the GPU waited through, when kernels do not overlap) and the `top` kernels by GPU time, with
     their share. `launches` (host calls per `launch_kind`, over the run) adds ``launches_per_step``: about one
-    graph replay and a few kernels a step where a decode step replays a CUDA graph, hundreds of kernels where
+    graph replay a step where a decode step replays a CUDA graph, none (every kernel launched by itself) where
     it runs eagerly."""
     if steps < 1 or wall_s <= 0:
         raise ValueError(f"profile_summary: steps={steps}, wall_s={wall_s} must be positive")
