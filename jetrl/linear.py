@@ -14,6 +14,10 @@ What is stored, and when it is computed:
   dtype: every in-place update (``optimizer.step()``, ``copy_``) bumps the version and invalidates
   it. Writes through ``weight.data`` bypass the version counter; call `invalidate_fp8_caches(model)`
   after them, or `invalidate_on_step(optimizer, model)` once to do it after every step.
+  Under FSDP (verl's engine) the weight a Linear sees is a fresh all-gather each forward, so the cache would
+  only hold a full-size FP8 copy of every layer on every rank (the sharding undone) and keep it past writes
+  FSDP makes into its shards (a checkpoint load): `set_fp8_weight_caching(model, False)` turns it off, each
+  forward then quantizes the gathered weight, and the backward reads the transposed bytes its forward made.
 - X is quantized 1x128 in the forward. When ``recipe.save_activations_fp8`` (default), what is saved
   for backward is wgrad's operand itself, X^T quantized 128x1 (along tokens) from the BF16 X, fp8
   bytes + scales (half the bytes of BF16), made in the forward by `transpose_quantize`; so wgrad uses
@@ -67,6 +71,7 @@ __all__ = [
     "attach_quantized",
     "quantized_of",
     "invalidate_fp8_caches",
+    "set_fp8_weight_caching",
     "invalidate_on_step",
     "refresh_fp8_weights_",
     "JetRMSNormQuant",
@@ -241,6 +246,9 @@ class JetFP8Linear(nn.Linear):
         if reason:
             raise ValueError(f"{self.layer_name}: {reason}")
         self._cache: tuple | None = None
+        self.cache_weight = True
+        """Keep the quantized weight until the weight changes (False: quantize it in every forward;
+        `set_fp8_weight_caching`)."""
         self._master: nn.Parameter | None = None  # set by jetrl.fp8_param
         self.weight_quantizations = 0
         """How many times the weight has been quantized (tests check: once per optimizer step)."""
@@ -283,7 +291,8 @@ class JetFP8Linear(nn.Linear):
             else:
                 (q, s), q_t, s_t = quantize_128x128(self.weight.detach(), name=wname), None, None
             self.weight_quantizations += 1
-        self._cache = (key, q, s, q_t, s_t)
+        if self.cache_weight:
+            self._cache = (key, q, s, q_t, s_t)
         return q, s, q_t, s_t
 
     def fp8_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -300,6 +309,8 @@ class JetFP8Linear(nn.Linear):
         """Re-quantize the current weight INTO the cached tensors (same objects and addresses; the transposed
         copy too), so that CUDA graphs captured with them read the new bytes on replay. Makes the cache
         (with the transpose) when there is none; nothing to do when it is current."""
+        if not self.cache_weight:
+            raise RuntimeError(f"{self.layer_name}: refresh_fp8_weight_ needs the FP8 weight cache, which is off")
         if self._cache is None:
             self._fp8_operands(with_transpose=True)
             return
@@ -347,6 +358,18 @@ def _each_fp8_linear(model: nn.Module, method: str) -> int:
 def invalidate_fp8_caches(model: nn.Module) -> int:
     """Drop every JetFP8Linear's cached fp8 weight; returns how many modules were reset."""
     return _each_fp8_linear(model, "invalidate_fp8_weight")
+
+
+def set_fp8_weight_caching(model: nn.Module, enabled: bool) -> int:
+    """Turn every JetFP8Linear's FP8 weight cache on or off (off drops what is cached; see the module docstring
+    for when: FSDP); returns how many modules were set."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, JetFP8Linear):
+            m.cache_weight = enabled
+            m._cache = None
+            n += 1
+    return n
 
 
 def refresh_fp8_weights_(model: nn.Module) -> int:

@@ -17,6 +17,7 @@ from jetrl.linear import (
     invalidate_on_step,
     quantized_of,
     refresh_fp8_weights_,
+    set_fp8_weight_caching,
 )
 from jetrl.recipe import QuantSpec, Recipe, RecipeError
 from jetrl.testing.numerics import has_sm90, sqnr_db
@@ -207,6 +208,29 @@ def test_invalidation_for_data_writes():
     opt.step()  # no grads: the step changes nothing, the hook still invalidates
     assert torch.equal(layer.fp8_weight()[1], quant.quantize_128x128(layer.weight.detach())[1])
     handle.remove()
+
+
+def test_weight_caching_off_quantizes_every_forward_and_keeps_nothing():
+    """What FSDP needs (`jetrl.verl.engine`): no FP8 copy of the weight outlives a forward, a write that bypasses
+    the version counter is seen at once, and the backward still gets the forward's transposed bytes."""
+    layer, ref = _layer(256, 384), _layer(256, 384)
+    x, dy = _inputs(64, 256, 384)
+    assert set_fp8_weight_caching(layer, False) == 1 and not layer.cache_weight
+    for _ in range(2):
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya, yb = layer(xa), ref(xb)
+        assert layer._cache is None
+        ya.backward(dy)
+        yb.backward(dy)
+        assert torch.equal(ya, yb) and torch.equal(xa.grad, xb.grad) and torch.equal(layer.weight.grad, ref.weight.grad)
+    assert layer.weight_quantizations == 2 and ref.weight_quantizations == 1 and layer._cache is None
+    layer.weight.data.mul_(2.0)  # bypasses the version counter: nothing cached to go stale
+    assert torch.equal(layer.fp8_weight()[1], quant.quantize_128x128(layer.weight.detach())[1])
+    with pytest.raises(RuntimeError, match=r"test\.proj: refresh_fp8_weight_ needs the FP8 weight cache"):
+        refresh_fp8_weights_(layer)
+    set_fp8_weight_caching(layer, True)
+    layer.fp8_weight()
+    assert layer._cache is not None
 
 
 def test_main_grad_accumulates_in_fp32():

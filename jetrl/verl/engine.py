@@ -13,9 +13,14 @@ What changes against `FSDPEngineWithLMHead`, and nothing else:
   FSDP wraps the model. The Parameters are the same objects under the same HF names, so FSDP1/FSDP2
   sharding, mixed precision (the unsharded weight a Linear sees is the ``param_dtype`` cast of the fp32
   shard), the optimizer, checkpoints and ``get_per_tensor_param`` see an unchanged model.
-- ``optimizer_step``: after verl's step, `jetrl.linear.invalidate_fp8_caches` drops every Linear's
-  cached FP8 weight. FSDP writes the new weights into reused all-gather buffers (and FSDP1 through
-  flat-parameter views), which does not reliably bump the version counter the cache keys on.
+- No FP8 weight is kept between forwards (`jetrl.linear.set_fp8_weight_caching` off): each forward quantizes
+  the weight FSDP has just gathered, and its backward reads the transposed bytes that forward made. The
+  Linear's cache (keyed on the weight's address and version counter) would otherwise hold a full-size FP8
+  copy of every layer on every rank, undoing the sharding (and the ref policy's, never refreshed, through the
+  rollout), and could hand back bytes of weights FSDP has since overwritten in its shards: after
+  ``load_checkpoint`` a forward ran on the pre-load weights (``tests/verl_integration/test_verl_engine.py``).
+  FSDP re-gathers for every forward anyway, so the cache saved little: on CPU (FSDP2, world size 1) 25 of the
+  28 Linear calls of the two forwards after the first missed it.
 - ``get_per_tensor_param`` (the stream verl sends to the rollout at every sync): for a recipe with
   ``weight_sync == "fp8-bytes"``, each converted Linear's weight leaves as its e4m3 bytes under the HF
   name plus ``<module>.weight_scale_inv`` (fp32 128x128 scales), quantized by the forward's own
@@ -61,7 +66,7 @@ import torch
 
 from jetrl.convert import ConversionReport, convert_model
 from jetrl.gemm.quantize import quantize_128x128
-from jetrl.linear import invalidate_fp8_caches
+from jetrl.linear import set_fp8_weight_caching
 from jetrl.recipe import BLOCK, RECIPE_NAMES, Recipe
 from jetrl.rollout.adapter import STRICT_ENV
 from jetrl.rollout.sync import WeightSyncError, tensor_digest
@@ -193,6 +198,7 @@ class JetrlFSDPEngine(FSDPEngineWithLMHead):
         module = super()._build_module()
         backend = os.environ.get(BACKEND_ENV, "auto")
         self.jetrl_conversion = convert_model(module, self.jetrl_recipe, backend=backend)
+        set_fp8_weight_caching(module, False)
         if self.jetrl_numerics == "strict":
             from jetrl.rollout.adapter import enable_batch_invariance
             from jetrl.rollout.engine_strict import match_vllm_strict
@@ -216,11 +222,6 @@ class JetrlFSDPEngine(FSDPEngineWithLMHead):
         labels, cu_seqlens = output_args["input_ids_rmpad_rolled"], micro_batch["input_ids"].offsets()
         out["log_probs"] = strict_log_probs(token_logprobs, output.logits, labels, cu_seqlens)
         return out
-
-    def optimizer_step(self):
-        grad_norm = super().optimizer_step()
-        invalidate_fp8_caches(self.module)
-        return grad_norm
 
     def _fp8_weight_names(self) -> set[str]:
         return {f"{n}.weight" for n in self.jetrl_conversion.converted_names()}

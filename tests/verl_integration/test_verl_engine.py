@@ -1,6 +1,6 @@
 """`JetrlFSDPEngine` built by verl's own code (FSDP2, gloo, world size 1): the FP8 Linears under FSDP, the
-per-tensor export stream against `jetrl.convert.export_fp8_weights` and against the forward's own bytes,
-and the cache invalidation of ``optimizer_step``."""
+per-tensor export stream against `jetrl.convert.export_fp8_weights` and against the forward's own bytes, no FP8
+weight kept between forwards, and verl's checkpoint save / load."""
 
 import pytest
 import torch
@@ -91,27 +91,57 @@ def test_stream_equals_export_fp8_weights_and_bf16_for_the_rest(engine, ckpt):
     assert stats["bytes"] == sum(t.nbytes for t in tensors.values())
 
 
-def test_stream_is_the_forwards_bytes_and_a_step_invalidates_them(engine):
-    ids = torch.randint(3, 70, (2, 16), generator=torch.Generator().manual_seed(0))
+IDS = torch.randint(3, 70, (2, 16), generator=torch.Generator().manual_seed(0))
+DEVICE_TYPE = "cpu" if not torch.cuda.is_available() else "cuda"
+
+
+@pytest.fixture
+def forward_bytes(monkeypatch):
+    """The e4m3 weight bytes each FP8 Linear's forward used last, by HF weight name (filled as forwards run)."""
+    seen: dict[str, torch.Tensor] = {}
+    quantize = JetFP8Linear._fp8_operands
+
+    def spy(self, with_transpose):
+        out = quantize(self, with_transpose)
+        seen[f"{self.layer_name}.weight"] = out[0].detach().cpu().clone()
+        return out
+
+    monkeypatch.setattr(JetFP8Linear, "_fp8_operands", spy)
+    return seen
+
+
+def _loss(eng):
+    with torch.autocast(DEVICE_TYPE, dtype=torch.bfloat16):
+        return eng.module(input_ids=IDS, use_cache=False).logits.float().logsumexp(-1).mean()
+
+
+def _train_step(eng):
+    eng.module.train()
+    _loss(eng).backward()
+    grad_norm = eng.optimizer_step()
+    eng.optimizer_zero_grad()
+    assert grad_norm > 0
+
+
+def _logits(eng):
+    with torch.no_grad(), torch.autocast(DEVICE_TYPE, dtype=torch.bfloat16):
+        return eng.module(input_ids=IDS, use_cache=False).logits.float()
+
+
+def test_stream_is_the_forwards_bytes_and_a_step_changes_them(engine, forward_bytes):
     linears = {n: m for n, m in engine.module.named_modules() if isinstance(m, JetFP8Linear)}
-
-    def forward_bytes():
-        return {f"{n}.weight": m._cache[1].detach().cpu().clone() for n, m in linears.items()}
-
     engine.module.train()
-    with torch.autocast("cpu" if not torch.cuda.is_available() else "cuda", dtype=torch.bfloat16):
-        loss = engine.module(input_ids=ids, use_cache=False).logits.float().logsumexp(-1).mean()
-    before = forward_bytes()
+    loss = _loss(engine)
+    before = dict(forward_bytes)
+    assert set(before) == {f"{n}.weight" for n in linears}
     stream = _stream(engine)
     for name, q in before.items():
         assert torch.equal(stream[name].view(torch.uint8), q.view(torch.uint8)), f"{name}: stream != forward bytes"
     loss.backward()
-    grad_norm = engine.optimizer_step()
-    assert grad_norm > 0 and all(m._cache is None for m in linears.values()), "optimizer_step left FP8 caches"
+    assert engine.optimizer_step() > 0
     engine.optimizer_zero_grad()
-    with torch.no_grad(), torch.autocast("cpu" if not torch.cuda.is_available() else "cuda", dtype=torch.bfloat16):
-        engine.module(input_ids=ids, use_cache=False)
-    after = forward_bytes()
+    _logits(engine)
+    after = dict(forward_bytes)
     changed = [n for n in after if not torch.equal(after[n].view(torch.uint8), before[n].view(torch.uint8))]
     assert len(changed) == len(after), (
         f"the step (lr 1e-2) left these weights' bytes unchanged: {set(after) - set(changed)}"
@@ -119,3 +149,36 @@ def test_stream_is_the_forwards_bytes_and_a_step_invalidates_them(engine):
     stream2 = _stream(engine)
     for name, q in after.items():
         assert torch.equal(stream2[name].view(torch.uint8), q.view(torch.uint8)), f"{name}: stream != new forward bytes"
+
+
+def test_no_fp8_weight_is_kept_between_forwards(engine):
+    """Under FSDP each forward quantizes the weight just gathered: nothing full-size stays on a rank after it (the
+    backward reads the transposed bytes its forward made)."""
+    linears = [m for m in engine.module.modules() if isinstance(m, JetFP8Linear)]
+    assert linears and not any(m.cache_weight for m in linears)
+    n = sum(m.weight_quantizations for m in linears)
+    engine.module.train()
+    loss = _loss(engine)
+    assert all(m._cache is None for m in linears), "a forward left an FP8 weight on its Linear"
+    loss.backward()
+    assert all(m._cache is None for m in linears)
+    assert sum(m.weight_quantizations for m in linears) == n + len(linears), "one quantization per Linear and forward"
+    engine.optimizer_zero_grad()
+
+
+def test_checkpoint_load_restores_the_fp8_forward_and_stream(engine, tmp_path):
+    """verl's save_checkpoint / load_checkpoint (FSDP2 shards, optimizer, RNG): after a step past the save, the
+    load brings back the saved forward bit for bit and the stream the rollout would receive. With the FP8
+    weight cache on, this forward used the pre-load bytes of every Linear whose gathered weight came back at
+    the same address and version."""
+    _train_step(engine)
+    saved_logits, saved_stream = _logits(engine), _stream(engine)
+    engine.save_checkpoint(str(tmp_path / "ckpt"), global_step=1)
+    _train_step(engine)
+    assert not torch.equal(_logits(engine), saved_logits), "the second step changed nothing"
+    engine.load_checkpoint(str(tmp_path / "ckpt"), del_local_after_load=False)
+    assert torch.equal(_logits(engine), saved_logits), "the forward after load_checkpoint is not the saved one"
+    stream = _stream(engine)
+    assert set(stream) == set(saved_stream)
+    for name, t in saved_stream.items():
+        assert torch.equal(stream[name].view(torch.uint8), t.view(torch.uint8)), f"{name}: differs after the load"

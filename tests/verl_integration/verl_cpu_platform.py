@@ -22,7 +22,8 @@ NAME = "jetrl_cpu_test"
 
 class _CPUDeviceModule(types.ModuleType):
     """``torch.cpu`` plus the few ``torch.cuda``-style calls verl makes on its device module (memory
-    statistics, ``empty_cache``), which do nothing or report 0 on a CPU."""
+    statistics, ``empty_cache``), which do nothing or report 0 on a CPU, and the RNG state calls of its
+    checkpoint manager (the device's generator is torch's CPU generator)."""
 
     def __getattr__(self, name):
         return getattr(torch.cpu, name)
@@ -44,6 +45,9 @@ class _CPUDeviceModule(types.ModuleType):
     @staticmethod
     def reset_peak_memory_stats(*_a, **_k) -> None:
         return None
+
+    get_rng_state = staticmethod(torch.get_rng_state)
+    set_rng_state = staticmethod(torch.set_rng_state)
 
 
 DEVICE_MODULE = _CPUDeviceModule("jetrl_cpu_test_device")
