@@ -16,8 +16,10 @@ What is stored, and when it is computed:
   after them, or `invalidate_on_step(optimizer, model)` once to do it after every step.
   Under FSDP (verl's engine) the weight a Linear sees is a fresh all-gather each forward, so the cache would
   only hold a full-size FP8 copy of every layer on every rank (the sharding undone) and keep it past writes
-  FSDP makes into its shards (a checkpoint load): `set_fp8_weight_caching(model, False)` turns it off, each
-  forward then quantizes the gathered weight, and the backward reads the transposed bytes its forward made.
+  FSDP makes into its shards (a checkpoint load): `set_fp8_weight_caching(model, False)` turns it off. Each
+  forward then quantizes the gathered weight for fprop only, and the backward quantizes the weight it finds
+  on the module then (FSDP gathers it again for the backward, the same values) for dgrad, so no FP8 weight
+  is held between a layer's forward and its backward either; the bytes are those of the cached path.
 - X is quantized 1x128 in the forward. When ``recipe.save_activations_fp8`` (default), what is saved
   for backward is wgrad's operand itself, X^T quantized 128x1 (along tokens) from the BF16 X, fp8
   bytes + scales (half the bytes of BF16), made in the forward by `transpose_quantize`; so wgrad uses
@@ -139,7 +141,11 @@ class _FP8LinearFn(torch.autograd.Function):
             saved = (x2,)
         elif wgrad:  # the wgrad operand (X^T quantized along tokens) is saved instead of X
             saved = _wgrad_operand_of(x, x2, xname) if pre is not None else transpose_quantize(x2, name=xname)
-        wq, ws, wq_t, ws_t = module._fp8_operands(with_transpose=grad_mode and ctx.needs_input_grad[0])
+        dgrad = grad_mode and ctx.needs_input_grad[0]
+        # without the cache (FSDP) dgrad's transposed bytes are made in the backward from the weight FSDP gathers
+        # for it again, so no FP8 copy of the weight waits here between the forward and the backward
+        ctx.requantize_w = dgrad and not module.cache_weight
+        wq, ws, wq_t, ws_t = module._fp8_operands(with_transpose=dgrad and not ctx.requantize_w)
         y = fprop(xq, xs, wq, ws, bias, backend=be, out_dtype=x.dtype, name=xname)
         ctx.module = module
         ctx.grad_weight = grad_weight
@@ -163,7 +169,7 @@ class _FP8LinearFn(torch.autograd.Function):
         dname = f"{nm}:grad_output"
         if dgrad:
             dyq, dys = quantize_1x128(dy2, scale_layout=be.scale_layout, name=dname)
-            wq_t, ws_t = ctx.w_t
+            wq_t, ws_t = module._fp8_operands(with_transpose=True)[2:] if ctx.requantize_w else ctx.w_t
             # Shapes: [M, N] @ [K, N]^T -> [M, K]
             dx = be.gemm(dyq, dys, wq_t, ws_t, role="dgrad", out_dtype=ctx.x_dtype).reshape(ctx.x_shape)
         if wgrad:
@@ -247,8 +253,8 @@ class JetFP8Linear(nn.Linear):
             raise ValueError(f"{self.layer_name}: {reason}")
         self._cache: tuple | None = None
         self.cache_weight = True
-        """Keep the quantized weight until the weight changes (False: quantize it in every forward;
-        `set_fp8_weight_caching`)."""
+        """Keep the quantized weight until the weight changes (False: quantize it in every forward and again in
+        the backward; `set_fp8_weight_caching`)."""
         self._master: nn.Parameter | None = None  # set by jetrl.fp8_param
         self.weight_quantizations = 0
         """How many times the weight has been quantized (tests check: once per optimizer step)."""

@@ -20,7 +20,7 @@ from jetrl.linear import (
     set_fp8_weight_caching,
 )
 from jetrl.recipe import QuantSpec, Recipe, RecipeError
-from jetrl.testing.numerics import has_sm90, sqnr_db
+from jetrl.testing.numerics import fp8_weights_alive, has_sm90, sqnr_db
 
 UNIFIED = Recipe.from_name("jetrl-unified")
 # (tokens, in_features, out_features): hostile token counts, K not a multiple of 256
@@ -210,20 +210,24 @@ def test_invalidation_for_data_writes():
     handle.remove()
 
 
-def test_weight_caching_off_quantizes_every_forward_and_keeps_nothing():
-    """What FSDP needs (`jetrl.verl.engine`): no FP8 copy of the weight outlives a forward, a write that bypasses
-    the version counter is seen at once, and the backward still gets the forward's transposed bytes."""
+def test_weight_caching_off_keeps_no_fp8_weight_and_gives_the_same_bits():
+    """What FSDP needs (`jetrl.verl.engine`): no FP8 copy of the weight outlives a forward or waits for the
+    backward (which quantizes the weight again for dgrad), a write that bypasses the version counter is seen at
+    once, and outputs and gradients are those of the cached path bit for bit."""
     layer, ref = _layer(256, 384), _layer(256, 384)
     x, dy = _inputs(64, 256, 384)
     assert set_fp8_weight_caching(layer, False) == 1 and not layer.cache_weight
     for _ in range(2):
         xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-        ya, yb = layer(xa), ref(xb)
-        assert layer._cache is None
+        invalidate_fp8_caches(ref)  # its cached bytes have the same shapes
+        ya = layer(xa)
+        assert layer._cache is None and fp8_weights_alive(layer) == [], "an FP8 weight waits for the backward"
+        yb = ref(xb)
+        assert fp8_weights_alive(ref) != []  # the cached path keeps its bytes (the check can see them)
         ya.backward(dy)
         yb.backward(dy)
         assert torch.equal(ya, yb) and torch.equal(xa.grad, xb.grad) and torch.equal(layer.weight.grad, ref.weight.grad)
-    assert layer.weight_quantizations == 2 and ref.weight_quantizations == 1 and layer._cache is None
+    assert layer.weight_quantizations == 4 and ref.weight_quantizations == 2 and layer._cache is None
     layer.weight.data.mul_(2.0)  # bypasses the version counter: nothing cached to go stale
     assert torch.equal(layer.fp8_weight()[1], quant.quantize_128x128(layer.weight.detach())[1])
     with pytest.raises(RuntimeError, match=r"test\.proj: refresh_fp8_weight_ needs the FP8 weight cache"):

@@ -1,7 +1,8 @@
-"""Comparison metrics (SQNR, max error) and hardware probes used by tests, benchmarks and the lint."""
+"""Comparison metrics (SQNR, max error), hardware probes and a memory probe used by tests, benchmarks and the lint."""
 
 from __future__ import annotations
 
+import gc
 import math
 
 import torch
@@ -29,3 +30,14 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def has_sm90() -> bool:
     """True when a CUDA device of compute capability 9.x (Hopper) is visible."""
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def fp8_weights_alive(*linears) -> list[torch.Tensor]:
+    """The live e4m3 tensors shaped like a weight ``[N, K]`` of `linears` or its transpose (as the garbage
+    collector sees them: held by a module, an autograd node's context or anything else; one scan of the heap)."""
+    shapes = {s for m in linears for s in ((m.out_features, m.in_features), (m.in_features, m.out_features))}
+    return [
+        o
+        for o in gc.get_objects()
+        if isinstance(o, torch.Tensor) and o.dtype == torch.float8_e4m3fn and tuple(o.shape) in shapes
+    ]

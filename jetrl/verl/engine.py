@@ -13,14 +13,15 @@ What changes against `FSDPEngineWithLMHead`, and nothing else:
   FSDP wraps the model. The Parameters are the same objects under the same HF names, so FSDP1/FSDP2
   sharding, mixed precision (the unsharded weight a Linear sees is the ``param_dtype`` cast of the fp32
   shard), the optimizer, checkpoints and ``get_per_tensor_param`` see an unchanged model.
-- No FP8 weight is kept between forwards (`jetrl.linear.set_fp8_weight_caching` off): each forward quantizes
-  the weight FSDP has just gathered, and its backward reads the transposed bytes that forward made. The
-  Linear's cache (keyed on the weight's address and version counter) would otherwise hold a full-size FP8
-  copy of every layer on every rank, undoing the sharding (and the ref policy's, never refreshed, through the
-  rollout), and could hand back bytes of weights FSDP has since overwritten in its shards: after
-  ``load_checkpoint`` a forward ran on the pre-load weights (``tests/verl_integration/test_verl_engine.py``).
-  FSDP re-gathers for every forward anyway, so the cache saved little: on CPU (FSDP2, world size 1) 25 of the
-  28 Linear calls of the two forwards after the first missed it.
+- No FP8 weight is kept (`jetrl.linear.set_fp8_weight_caching` off): each forward quantizes the weight FSDP
+  has just gathered for fprop, and the backward the weight FSDP gathers again for it for dgrad (same values,
+  same bytes), so no full-size FP8 weight is held between forwards nor between a layer's forward and its
+  backward. The Linear's cache (keyed on the weight's address and version counter) would otherwise hold a
+  full-size FP8 copy of every layer on every rank, undoing the sharding (and the ref policy's, never
+  refreshed, through the rollout), and could hand back bytes of weights FSDP has since overwritten in its
+  shards: after ``load_checkpoint`` a forward ran on the pre-load weights
+  (``tests/verl_integration/test_verl_engine.py``). FSDP re-gathers for every forward anyway, so the cache saved
+  little: on CPU (FSDP2, world size 1) 25 of the 28 Linear calls of the two forwards after the first missed it.
 - ``get_per_tensor_param`` (the stream verl sends to the rollout at every sync): for a recipe with
   ``weight_sync == "fp8-bytes"``, each converted Linear's weight leaves as its e4m3 bytes under the HF
   name plus ``<module>.weight_scale_inv`` (fp32 128x128 scales), quantized by the forward's own

@@ -10,7 +10,7 @@ verl = pytest.importorskip(
 )
 
 from transformers import AutoModelForCausalLM  # noqa: E402
-from verl_engine_cases import engine_session  # noqa: E402
+from verl_engine_cases import build_engine, engine_session, fp8_weight_probe  # noqa: E402
 
 from jetrl.convert import convert_model, export_fp8_weights  # noqa: E402
 from jetrl.linear import JetFP8Linear  # noqa: E402
@@ -151,19 +151,28 @@ def test_stream_is_the_forwards_bytes_and_a_step_changes_them(engine, forward_by
         assert torch.equal(stream2[name].view(torch.uint8), q.view(torch.uint8)), f"{name}: stream != new forward bytes"
 
 
-def test_no_fp8_weight_is_kept_between_forwards(engine):
-    """Under FSDP each forward quantizes the weight just gathered: nothing full-size stays on a rank after it (the
-    backward reads the transposed bytes its forward made)."""
-    linears = [m for m in engine.module.modules() if isinstance(m, JetFP8Linear)]
-    assert linears and not any(m.cache_weight for m in linears)
-    n = sum(m.weight_quantizations for m in linears)
-    engine.module.train()
-    loss = _loss(engine)
-    assert all(m._cache is None for m in linears), "a forward left an FP8 weight on its Linear"
-    loss.backward()
-    assert all(m._cache is None for m in linears)
-    assert sum(m.weight_quantizations for m in linears) == n + len(linears), "one quantization per Linear and forward"
-    engine.optimizer_zero_grad()
+def test_no_fp8_weight_is_kept_between_forwards_or_for_the_backward(engine):
+    """Under FSDP each forward quantizes the weight just gathered and the backward the weight gathered again for
+    it: no full-size FP8 weight stays on a rank after a forward, nor waits for the backward; the gradients are
+    those of the Linears' cached path bit for bit (2 ranks: test_verl_sharded_export)."""
+    probe = fp8_weight_probe(engine, IDS)
+    assert probe["cache_weight"] and not any(probe["cache_weight"])
+    assert probe["alive"] == [], f"FP8 weights of these shapes alive after the forward: {probe['alive']}"
+    assert probe["quantizations"] == 2 * probe["linears"], "one per Linear, in the forward and in the backward"
+    assert probe["alive_cached"], "with the cache on the probe sees the kept bytes"
+    for name, g in probe["grads_cached"].items():
+        assert torch.equal(probe["grads"][name], g), f"{name}: gradient differs from the cached path"
+
+
+def test_gradient_checkpointing_recomputes_the_same_fp8_bytes(engine, ckpt):
+    """verl's default for large models: each layer's forward runs again inside the backward, quantizing the
+    weight again (3 quantizations per Linear and pass); the gradients are the cached path's bit for bit."""
+    eng = build_engine(ckpt, gradient_checkpointing=True)  # in the module engine's process group
+    assert eng.module.is_gradient_checkpointing
+    probe = fp8_weight_probe(eng, IDS)
+    assert probe["alive"] == [] and probe["quantizations"] == 3 * probe["linears"], probe["quantizations"]
+    for name, g in probe["grads_cached"].items():
+        assert torch.equal(probe["grads"][name], g), f"{name}: gradient differs from the cached path"
 
 
 def test_checkpoint_load_restores_the_fp8_forward_and_stream(engine, tmp_path):

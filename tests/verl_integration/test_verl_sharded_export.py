@@ -4,7 +4,8 @@ every rank, while each converted weight lives sharded along N -- in both export 
 ``get_per_tensor_param``: one full-tensor gather per parameter, quantized after it) and ``shard`` (each rank
 quantizes its own rows, only e4m3 bytes + scales are gathered), which is refused, naming the weight, when
 a shard is not whole 128-row blocks. Neither mode ever holds the whole model gathered on one rank (measured:
-every ``DTensor.full_tensor`` result is tracked while it is alive)."""
+every ``DTensor.full_tensor`` result is tracked while it is alive). A training pass holds no full-size FP8 weight
+on a rank between its forward and its backward, with gradients bit-equal to the Linears' cached path."""
 
 import os
 import traceback
@@ -24,7 +25,7 @@ if not torch.cuda.is_available():  # as conftest does; also in the spawned ranks
     verl_cpu_platform.install()
 
 from transformers import AutoModelForCausalLM  # noqa: E402
-from verl_engine_cases import build_engine, free_port  # noqa: E402
+from verl_engine_cases import build_engine, fp8_weight_probe, free_port  # noqa: E402
 
 from jetrl.convert import convert_model, export_fp8_weights  # noqa: E402
 from jetrl.recipe import Recipe  # noqa: E402
@@ -103,11 +104,14 @@ def _rank_main(rank: int, ckpts: dict[str, str], port: int, out_dir: str) -> Non
                 assert isinstance(w, DTensor), f"{name}.weight is {type(w).__name__}, not an FSDP2 DTensor"
                 shards[f"{name}.weight"] = (tuple(w.shape), tuple(w.to_local().shape), str(tuple(w.placements)))
             sizes = sorted((p.nbytes for p in eng.module.state_dict().values()), reverse=True)
+            ids = torch.randint(3, 70, (2, 16), generator=torch.Generator().manual_seed(0))  # the same on both ranks
+            train = fp8_weight_probe(eng, ids)
             out[key] = {
                 "shards": shards,
                 "param_bytes": sizes,
                 "gather": _export(eng, "gather"),
                 "shard": _export(eng, "shard"),
+                "train": train,
             }
             del eng
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
@@ -236,3 +240,19 @@ def test_the_stream_never_holds_the_whole_model_gathered(ranks, model, mode):
             # alive at once: at most the current and the previous entry, each a (bytes, scales) pair
             assert g["peak_n"] <= 4 and g["peak_bytes"] <= sizes[0], (r, g, sizes[0])
         assert g["peak_bytes"] < sum(sizes) / 4, (r, g["peak_bytes"], sum(sizes))
+
+
+def test_a_training_pass_holds_no_full_fp8_weight_and_matches_the_cached_path(ranks):
+    _, results = ranks
+    for r, res in enumerate(results):
+        for model in MODELS:
+            probe = res[model]["train"]
+            assert probe["cache_weight"] and not any(probe["cache_weight"]), (r, model)
+            assert probe["alive"] == [], f"rank {r} {model}: FP8 weights alive after the forward: {probe['alive']}"
+            assert probe["quantizations"] == 2 * probe["linears"], (r, model, probe["quantizations"])
+            assert probe["alive_cached"], f"rank {r} {model}: the probe does not see the cached path's bytes"
+            shards = res[model]["shards"]
+            for name, g in probe["grads_cached"].items():
+                if name in shards:
+                    assert tuple(g.shape) == shards[name][1], (r, name, tuple(g.shape))  # this rank's rows
+                assert torch.equal(probe["grads"][name], g), f"rank {r} {model}: {name}: gradient differs"

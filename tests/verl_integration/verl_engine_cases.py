@@ -15,7 +15,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_engine(ckpt):
+def build_engine(ckpt, gradient_checkpointing: bool = False):
     """verl's FSDP2 initialisation of `JetrlFSDPEngine` on `ckpt` (sdpa, no remove-padding: the CPU has no
     flash-attn), in the process group already initialised; the recipe comes from ``JETRL_RECIPE``."""
     from verl.trainer.config import CheckpointConfig
@@ -27,7 +27,7 @@ def build_engine(ckpt):
         HFModelConfig(
             path=str(ckpt),
             use_remove_padding=False,
-            enable_gradient_checkpointing=False,
+            enable_gradient_checkpointing=gradient_checkpointing,
             override_config={"attn_implementation": "sdpa"},
         ),
         FSDPEngineConfig(strategy="fsdp2", forward_only=False, use_torch_compile=False),
@@ -58,3 +58,41 @@ def engine_session(ckpt, recipe: str, backend: str, env: dict[str, str] | None =
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def fp8_weight_probe(eng, ids) -> dict:
+    """One forward + backward of `eng` on `ids` with jetrl's FP8 weight cache off (the engine's setting) and one
+    with it on: each pass's gradients (this rank's shards) and the shapes of the FP8 weights its forward left
+    alive for its backward (not alive before it), and the weight quantizations of the pass with the cache off."""
+    from jetrl.linear import JetFP8Linear, set_fp8_weight_caching
+    from jetrl.testing.numerics import fp8_weights_alive
+
+    linears = [m for m in eng.module.modules() if isinstance(m, JetFP8Linear)]
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def alive() -> dict[int, torch.Tensor]:
+        return {id(t): t for t in fp8_weights_alive(*linears)}
+
+    def one_pass():
+        eng.module.train()
+        before = alive()  # held, so that no id of it is reused
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            loss = eng.module(input_ids=ids, use_cache=False).logits.float().logsumexp(-1).mean()
+        new = sorted({tuple(t.shape) for i, t in alive().items() if i not in before})
+        del before
+        loss.backward()
+        grads = {n: p.grad.to_local().detach().clone() for n, p in eng.module.named_parameters()}
+        eng.optimizer_zero_grad()
+        return grads, new
+
+    out = {"cache_weight": [m.cache_weight for m in linears]}
+    n = sum(m.weight_quantizations for m in linears)
+    out["grads"], out["alive"] = one_pass()
+    out["quantizations"] = sum(m.weight_quantizations for m in linears) - n
+    out["linears"] = len(linears)
+    set_fp8_weight_caching(eng.module, True)
+    try:
+        out["grads_cached"], out["alive_cached"] = one_pass()
+    finally:
+        set_fp8_weight_caching(eng.module, False)
+    return out
