@@ -11,6 +11,7 @@ SUBCOMMANDS = {
     "train": ("jetrl.train.cli", "run the local GRPO/DAPO trainer from a config file"),
     "warmup": ("jetrl.train.warmup", "write the tiny model after the supervised warm-up as an HF checkpoint"),
     "export": ("jetrl.train.export", "write a run's trained policy as an HF checkpoint (and vLLM block FP8)"),
+    "export-verl": ("jetrl.verl.export", "write a verl checkpoint's actor as HF (and the vLLM block FP8 it ran)"),
 }
 
 
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: jetrl [--version] {" + ",".join(SUBCOMMANDS) + "} ...\n")
         for name, (_, help_) in SUBCOMMANDS.items():
-            print(f"  {name:<8}{help_}")
+            print(f"  {name:<13}{help_}")
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd not in SUBCOMMANDS:

@@ -107,13 +107,6 @@ def _policy(init_path: Path, state: dict[str, Any]):
     return model.eval()
 
 
-def _replace_dir(tmp: Path, final: Path) -> None:
-    if final.exists():
-        shutil.rmtree(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp.rename(final)
-
-
 def export_run(
     run_dir: str | Path,
     *,
@@ -168,28 +161,18 @@ def export_run(
         "gemm_backend": cfg.run.gemm_backend,
         "start_checkpoint": str(init_path),
     }
+    from jetrl.rollout.checkpoint import replace_dir, write_fp8_export
+
     written: dict[str, Path] = {}
     tmp = targets["hf"].with_name(f".tmp-{HF_DIR}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     _save_tokenizer(tok, tmp)
     (tmp / "jetrl.json").write_text(json.dumps({**info, "format": "hf-bf16"}, indent=2))
-    _replace_dir(tmp, targets["hf"])
-    written["hf"] = targets["hf"]
+    written["hf"] = replace_dir(tmp, targets["hf"])
     log(f"export: step {got_step} of {run} -> {targets['hf']} (HF, BF16 safetensors + tokenizer)")
     if fp8:
-        from jetrl.convert import convert_model
-        from jetrl.rollout.checkpoint import save_fp8_checkpoint
-
-        # on the host: the 128x128 weight quantization is the recipe's reference (`jetrl.quant`), bitwise the
-        # same on every backend and device, so a GPU run exports the bytes it trained with
-        convert_model(model, recipe, backend="emulated")
-        tmp = targets["fp8"].with_name(f".tmp-{FP8_DIR}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_fp8_checkpoint(model, tok, tmp)
-        (tmp / "jetrl.json").write_text(json.dumps({**info, "format": "vllm-fp8-block128"}, indent=2))
-        _replace_dir(tmp, targets["fp8"])
-        written["fp8"] = targets["fp8"]
+        written["fp8"] = write_fp8_export(model, tok, recipe, targets["fp8"], info)
         log(f"export: -> {targets['fp8']} (vLLM 128x128 block FP8, the trainer's weight bytes and scales)")
     return written
 

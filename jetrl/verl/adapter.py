@@ -16,7 +16,9 @@ Written against verl 0.9.1 (read from its wheel). The hooks jetrl uses, and wher
   ``verl/trainer/config/ppo_trainer.yaml`` and ``verl/utils/config.py`` `validate_config`; the V1
   trainers (``verl/trainer/ppo/v1/trainer_base.py`` `PPOTrainer`, chosen by ``trainer.v1.trainer_mode``
   through `get_trainer_cls`), whose per-step data lives in TransferQueue (``transfer_queue``, verl 0.9.1's
-  V1 data plane, ``tq.kv_batch_get`` returning TensorDicts of jagged per-sample tensors).
+  V1 data plane, ``tq.kv_batch_get`` returning TensorDicts of jagged per-sample tensors);
+- checkpoints: ``verl/utils/checkpoint/fsdp_checkpoint_manager.py`` (what ``save_checkpoint`` writes) and
+  ``verl/model_merger/fsdp_model_merger.py`` `FSDPModelMerger` (``python -m verl.model_merger merge``).
 
 Nothing here patches verl or vLLM: registering jetrl's classes under jetrl's own keys (vendor ``jetrl``,
 rollout ``jetrl_vllm``) is done by `jetrl.verl.plugin`, which verl imports through
@@ -25,6 +27,7 @@ rollout ``jetrl_vllm``) is done by `jetrl.verl.plugin`, which verl imports throu
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import transfer_queue as tq
@@ -57,6 +60,7 @@ __all__ = [
     "TaskRunnerV1",
     "TaskRunnerV1Class",
     "get_trainer_cls",
+    "merge_fsdp_checkpoint",
     "micro_batch_setting",
     "configure_verl_logging",
     "tq",
@@ -114,3 +118,20 @@ def micro_batch_setting(micro_batch, key: str, default):
     """A non-tensor setting verl's engine reads from a micro-batch TensorDict (``use_remove_padding``,
     ``use_fused_kernels``, ...: ``verl/utils/tensordict_utils.py`` `get_non_tensor_data`)."""
     return _tu.get_non_tensor_data(data=micro_batch, key=key, default=default)
+
+
+def merge_fsdp_checkpoint(local_dir: str | os.PathLike, target_dir: str | os.PathLike) -> None:
+    """verl's own model merger (``python -m verl.model_merger merge --backend fsdp``): the FSDP shards that
+    ``save_checkpoint`` wrote to `local_dir` (``model_world_size_<W>_rank_<r>.pt`` + ``huggingface/``) as one HF
+    checkpoint with its tokenizer in `target_dir`, every tensor the BF16 cast of its fp32 master."""
+    from verl.model_merger.base_model_merger import ModelMergerConfig
+    from verl.model_merger.fsdp_model_merger import FSDPModelMerger
+
+    cfg = ModelMergerConfig(
+        operation="merge",
+        backend="fsdp",
+        local_dir=str(local_dir),
+        target_dir=str(target_dir),
+        hf_model_config_path=str(Path(local_dir) / "huggingface"),
+    )
+    FSDPModelMerger(cfg).merge_and_save()

@@ -22,6 +22,9 @@ What changes against `FSDPEngineWithLMHead`, and nothing else:
   shards: after ``load_checkpoint`` a forward ran on the pre-load weights
   (``tests/verl_integration/test_verl_engine.py``). FSDP re-gathers for every forward anyway, so the cache saved
   little: on CPU (FSDP2, world size 1) 25 of the 28 Linear calls of the two forwards after the first missed it.
+- ``save_checkpoint``: verl's checkpoint, plus ``jetrl.json`` (recipe, numerics, the rollout's engine ops, GEMM
+  backend, the dtype the weights are quantized from) beside the shards, which ``jetrl export-verl``
+  (`jetrl.verl.export`) reads and passes on to ``jetrl lint --model``.
 - ``get_per_tensor_param`` (the stream verl sends to the rollout at every sync): for a recipe with
   ``weight_sync == "fp8-bytes"``, each converted Linear's weight leaves as its e4m3 bytes under the HF
   name plus ``<module>.weight_scale_inv`` (fp32 128x128 scales), quantized by the forward's own
@@ -59,9 +62,11 @@ export is refused there (its shard stream is not DTensor-placed).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -85,9 +90,11 @@ __all__ = [
     "BACKEND_ENV",
     "EXPORT_ENV",
     "EXPORT_MODES",
+    "ENGINE_OPS_ENV",
     "NUMERICS_ENV",
     "NUMERICS",
     "DIGEST_SUFFIX",
+    "CHECKPOINT_INFO",
     "SCALE_SUFFIX",
     "JetrlFSDPEngine",
     "recipe_from_env",
@@ -107,9 +114,14 @@ BACKEND_ENV = "JETRL_GEMM_BACKEND"
 EXPORT_ENV = "JETRL_FP8_EXPORT"
 EXPORT_MODES = ("gather", "shard")
 """``JETRL_FP8_EXPORT``: quantize after gathering each full weight (default) or per FSDP shard (module docstring)."""
+ENGINE_OPS_ENV = "JETRL_ENGINE_OPS"
+"""``jetrl.engine_ops`` as the entrypoint hands it to every worker: the rollout servers run it
+(`jetrl.rollout.vllm_model`), the actor records it in its checkpoints."""
 NUMERICS_ENV = "JETRL_NUMERICS"
 NUMERICS = ("hf", "strict")
 """``JETRL_NUMERICS`` (``jetrl.numerics``): the actor's numerics, transformers' ('hf', default) or 'strict'."""
+CHECKPOINT_INFO = "jetrl.json"
+"""Written by `JetrlFSDPEngine.save_checkpoint` beside verl's shards: what the actor trained with."""
 DIGEST_SUFFIX = ":jetrl_digest"
 """Suffix of the stream entries carrying the trainer-side digest of the entry before them."""
 SCALE_SUFFIX = "weight_scale_inv"
@@ -224,6 +236,25 @@ class JetrlFSDPEngine(FSDPEngineWithLMHead):
         out["log_probs"] = strict_log_probs(token_logprobs, output.logits, labels, cu_seqlens)
         return out
 
+    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
+        super().save_checkpoint(
+            local_path, hdfs_path=hdfs_path, global_step=global_step, max_ckpt_to_keep=max_ckpt_to_keep, **kwargs
+        )
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            info = {
+                "recipe": self.jetrl_recipe.name,
+                "numerics": self.jetrl_numerics,
+                "engine_ops": os.environ.get(ENGINE_OPS_ENV) or "vllm",
+                "gemm_backend": os.environ.get(BACKEND_ENV, "auto"),
+                "param_dtype": str(self._param_dtype()).removeprefix("torch."),
+                "global_step": global_step,
+            }
+            (Path(local_path) / CHECKPOINT_INFO).write_text(json.dumps(info, indent=2))
+
+    def _param_dtype(self) -> torch.dtype:
+        """The dtype FSDP casts the weights to for the forward: what the Linears quantize from."""
+        return getattr(self, "_autocast_dtype", torch.bfloat16)
+
     def _fp8_weight_names(self) -> set[str]:
         return {f"{n}.weight" for n in self.jetrl_conversion.converted_names()}
 
@@ -249,7 +280,7 @@ class JetrlFSDPEngine(FSDPEngineWithLMHead):
 
     def _fp8_stream(self, export, stream) -> Iterator[tuple[str, torch.Tensor]]:
         stats: dict = {}
-        yield from export(stream, self._fp8_weight_names(), getattr(self, "_autocast_dtype", torch.bfloat16), stats)
+        yield from export(stream, self._fp8_weight_names(), self._param_dtype(), stats)
         self.jetrl_last_export = stats
 
 

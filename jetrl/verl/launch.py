@@ -166,8 +166,8 @@ def apply_recipe(cfg: DictConfig) -> dict[str, str]:
                 "out with verl's own vLLM server"
             )
         return changed
-    from jetrl.verl.engine import NUMERICS_ENV
-    from jetrl.verl.worker import ENGINE_OPS_ENV, ROLLOUT_NAME
+    from jetrl.verl.engine import ENGINE_OPS_ENV, NUMERICS_ENV
+    from jetrl.verl.worker import ROLLOUT_NAME
 
     if cfg.trainer.v1.trainer_mode not in COLOCATED_TRAINER_MODES:
         raise ConfigError(

@@ -59,6 +59,7 @@ from jetrl.verl.adapter import (
 from jetrl.verl.engine import (
     BACKEND_ENV,
     DIGEST_SUFFIX,
+    ENGINE_OPS_ENV,
     SCALE_SUFFIX,
     decode_digest,
     numerics_from_env,
@@ -80,8 +81,6 @@ _log = logging.getLogger(__name__)
 
 ROLLOUT_NAME = "jetrl_vllm"
 """``actor_rollout_ref.rollout.name`` of verl's vLLM rollout with jetrl's worker extension."""
-ENGINE_OPS_ENV = "JETRL_ENGINE_OPS"
-"""``jetrl.engine_ops`` as the entrypoint hands it to the rollout servers (`jetrl.rollout.vllm_model`)."""
 WORKER_EXTENSION = "jetrl.verl.worker.JetrlWorkerExtension"
 
 

@@ -191,3 +191,63 @@ def test_checkpoint_load_restores_the_fp8_forward_and_stream(engine, tmp_path):
     assert set(stream) == set(saved_stream)
     for name, t in saved_stream.items():
         assert torch.equal(stream[name].view(torch.uint8), t.view(torch.uint8)), f"{name}: differs after the load"
+
+
+def _safetensors(path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_export_verl_writes_the_bytes_the_rollout_was_sent(engine, tmp_path, capsys):
+    """``jetrl export-verl`` on the engine's ``save_checkpoint``: verl's merger gives the HF weights (each the BF16
+    cast of its master, as the stream sends them) and the FP8 checkpoint holds exactly the stream's e4m3 bytes
+    and scales, with jetrl.json naming the recipe; the arguments that cannot give those bytes are refused."""
+    import json
+
+    from jetrl.cli import main as jetrl_main
+    from jetrl.verl.engine import CHECKPOINT_INFO
+
+    _train_step(engine)
+    stream = {n: t for n, t in _stream(engine).items() if not n.endswith(DIGEST_SUFFIX)}
+    actor = tmp_path / "ckpts" / "global_step_7" / "actor"
+    engine.save_checkpoint(str(actor), global_step=7)
+    info = json.loads((actor / CHECKPOINT_INFO).read_text())
+    assert info == {
+        "recipe": RECIPE,
+        "numerics": "hf",
+        "engine_ops": "vllm",
+        "gemm_backend": BACKEND,
+        "param_dtype": "bfloat16",
+        "global_step": 7,
+    }
+    assert jetrl_main(["export-verl", str(actor.parent), "--fp8"]) == 0
+    out = tmp_path / "ckpts" / "export" / "global_step_7"
+    hf, fp8 = _safetensors(out / "hf"), _safetensors(out / "fp8-block128")
+    assert set(fp8) == set(stream), sorted(set(fp8) ^ set(stream))
+    for name, want in stream.items():
+        got = fp8[name]
+        assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+        if want.dtype == torch.bfloat16:
+            assert torch.equal(hf[name], want), f"{name}: merged HF weight != the BF16 the stream sent"
+    cfg = json.loads((out / "fp8-block128" / "config.json").read_text())
+    assert cfg["quantization_config"]["weight_block_size"] == [128, 128]
+    meta = json.loads((out / "fp8-block128" / "jetrl.json").read_text())
+    assert meta["recipe"] == RECIPE and meta["step"] == 7 and meta["format"] == "vllm-fp8-block128"
+    capsys.readouterr()
+
+    refusals = [
+        (["export-verl", str(actor), "--fp8"], f"{out / 'hf'} exists; pass --overwrite"),
+        (["export-verl", str(actor), "--recipe", "bf16", "--out", str(tmp_path / "x")], "the actor trained with"),
+        (["export-verl", str(tmp_path), "--out", str(tmp_path / "x")], "no model_world_size_<W>_rank_0.pt"),
+    ]
+    for argv, msg in refusals:
+        assert jetrl_main(argv) == 2, argv
+        assert msg in capsys.readouterr().err, (argv, msg)
+    (actor / CHECKPOINT_INFO).unlink()
+    assert jetrl_main(["export-verl", str(actor), "--fp8", "--out", str(tmp_path / "y")]) == 2
+    assert "a checkpoint of stock verl" in capsys.readouterr().err
+    assert jetrl_main(["export-verl", str(actor), "--recipe", "bf16", "--fp8", "--out", str(tmp_path / "y")]) == 2
+    assert "recipe 'bf16' (BF16 Linears)" in capsys.readouterr().err
+    assert jetrl_main(["export-verl", str(actor), "--recipe", "bf16", "--out", str(tmp_path / "y")]) == 0
+    assert set(_safetensors(tmp_path / "y" / "hf")) == set(hf)

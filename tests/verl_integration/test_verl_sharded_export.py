@@ -5,7 +5,9 @@ every rank, while each converted weight lives sharded along N -- in both export 
 quantizes its own rows, only e4m3 bytes + scales are gathered), which is refused, naming the weight, when
 a shard is not whole 128-row blocks. Neither mode ever holds the whole model gathered on one rank (measured:
 every ``DTensor.full_tensor`` result is tracked while it is alive). A training pass holds no full-size FP8 weight
-on a rank between its forward and its backward, with gradients bit-equal to the Linears' cached path."""
+on a rank between its forward and its backward, with gradients bit-equal to the Linears' cached path. The two
+ranks' ``save_checkpoint`` exported by ``jetrl export-verl`` (verl's merger, then jetrl's FP8 writer) holds the
+single-process export's bytes."""
 
 import os
 import traceback
@@ -113,6 +115,7 @@ def _rank_main(rank: int, ckpts: dict[str, str], port: int, out_dir: str) -> Non
                 "shard": _export(eng, "shard"),
                 "train": train,
             }
+            eng.save_checkpoint(str(Path(out_dir) / "ckpt" / key / "global_step_0" / "actor"), global_step=0)
             del eng
         torch.save(out, Path(out_dir) / f"rank{rank}.pt")
         dist.destroy_process_group()
@@ -142,7 +145,7 @@ def ranks(tmp_path_factory):
     assert not hung, f"FSDP2 ranks {hung} still running after {HANG_GUARD_S} s"
     errors = {r: (out / f"rank{r}.err").read_text() for r in range(WORLD) if (out / f"rank{r}.err").exists()}
     assert not errors and all(p.exitcode == 0 for p in procs), (errors, [p.exitcode for p in procs])
-    return ckpts, [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    return ckpts, [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)], out / "ckpt"
 
 
 def _single_process_export(ckpt):
@@ -169,7 +172,7 @@ STREAMS = [("tiny", "gather"), ("tiny-kv2", "gather"), ("tiny-kv2", "shard")]
 
 @pytest.mark.parametrize(("model", "mode"), STREAMS, ids=[f"{m}-{x}" for m, x in STREAMS])
 def test_every_rank_streams_the_single_process_export(ranks, model, mode):
-    ckpts, results = ranks
+    ckpts, results, _ = ranks
     expected, fp8_names = _single_process_export(ckpts[model])
     assert len(fp8_names) == 14
     for r, res in enumerate(results):
@@ -190,7 +193,7 @@ def test_every_rank_streams_the_single_process_export(ranks, model, mode):
 
 
 def test_per_shard_export_refuses_shards_off_128_row_blocks(ranks):
-    _, results = ranks
+    _, results, _ = ranks
     for r, res in enumerate(results):
         err = res["tiny"]["shard"].get("error")
         assert err is not None, f"rank {r}: the per-shard export of 64-row k_proj shards was not refused"
@@ -199,7 +202,7 @@ def test_per_shard_export_refuses_shards_off_128_row_blocks(ranks):
 
 
 def test_weights_are_sharded_along_n_across_ranks(ranks):
-    _, results = ranks
+    _, results, _ = ranks
     for res in results:
         for model in MODELS:
             shards = res[model]["shards"]
@@ -220,7 +223,7 @@ def test_the_stream_never_holds_the_whole_model_gathered(ranks, model, mode):
     most two full parameters are alive at once -- the one being gathered and the previous one, which verl
     0.9.1's generator (``unfuse_moe_params``' loop variable) still references while it asks for the next.
     Shard mode: only e4m3 bytes + scales of the FP8 weights and BF16 of the rest are gathered."""
-    ckpts, results = ranks
+    ckpts, results, _ = ranks
     expected, fp8_names = _single_process_export(ckpts[model])
     for r, res in enumerate(results):
         g, sizes = res[model][mode]["gathered"], res[model]["param_bytes"]
@@ -243,7 +246,7 @@ def test_the_stream_never_holds_the_whole_model_gathered(ranks, model, mode):
 
 
 def test_a_training_pass_holds_no_full_fp8_weight_and_matches_the_cached_path(ranks):
-    _, results = ranks
+    _, results, _ = ranks
     for r, res in enumerate(results):
         for model in MODELS:
             probe = res[model]["train"]
@@ -256,3 +259,20 @@ def test_a_training_pass_holds_no_full_fp8_weight_and_matches_the_cached_path(ra
                 if name in shards:
                     assert tuple(g.shape) == shards[name][1], (r, name, tuple(g.shape))  # this rank's rows
                 assert torch.equal(probe["grads"][name], g), f"rank {r} {model}: {name}: gradient differs"
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_export_verl_of_the_two_ranks_checkpoint_is_the_single_process_export(ranks, model, tmp_path):
+    from safetensors.torch import load_file
+
+    from jetrl.verl.export import export_checkpoint
+
+    ckpts, _, saved = ranks
+    expected, fp8_names = _single_process_export(ckpts[model])
+    shards = sorted(p.name for p in (saved / model / "global_step_0" / "actor").glob("model_world_size_*"))
+    assert shards == ["model_world_size_2_rank_0.pt", "model_world_size_2_rank_1.pt"]
+    written = export_checkpoint(saved / model / "global_step_0", out=tmp_path, fp8=True, log=lambda _: None)
+    got = load_file(str(written["fp8"] / "model.safetensors"))
+    assert set(got) == set(expected), sorted(set(got) ^ set(expected))
+    for name, want in expected.items():
+        assert got[name].dtype == want.dtype and torch.equal(_bits(got[name]), _bits(want)), name
