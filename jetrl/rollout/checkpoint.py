@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["save_fp8_checkpoint", "write_fp8_export", "replace_dir", "FP8_BLOCK_QUANT_CONFIG"]
+__all__ = ["save_fp8_checkpoint", "write_fp8_export", "write_export_dir", "FP8_BLOCK_QUANT_CONFIG"]
 
 FP8_BLOCK_QUANT_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 """The ``quantization_config`` of a stock 128x128 block-FP8 checkpoint (without ``ignored_layers``)."""
@@ -63,28 +63,28 @@ def save_fp8_checkpoint(model: torch.nn.Module, tokenizer, path: str | os.PathLi
     return p
 
 
-def replace_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> Path:
-    """Move the finished directory `tmp` to `final` (replacing it), so that a failed write leaves no `final`."""
-    tmp, final = Path(tmp), Path(final)
+def write_export_dir(path: str | os.PathLike, info: dict, fmt: str, write) -> Path:
+    """``write(tmp)`` fills a fresh folder beside `path`; ``jetrl.json`` = `info` with ``format`` `fmt` is added
+    and the folder renamed to `path`, replacing it, so that a failed write leaves no `path`."""
+    final = Path(path)
+    tmp = final.with_name(f".tmp-{final.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    write(tmp)
+    (tmp / "jetrl.json").write_text(json.dumps({**info, "format": fmt}, indent=2))
     if final.exists():
         shutil.rmtree(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
     tmp.rename(final)
     return final
 
 
 def write_fp8_export(model: torch.nn.Module, tokenizer, recipe, path: str | os.PathLike, info: dict) -> Path:
     """The trained policy `model` (HF, BF16: the trainer's compute weights) as the FP8 block checkpoint of
-    `recipe` in `path`, with ``jetrl.json`` = `info` + its format; written beside `path` and renamed in.
+    `recipe` in `path`, with ``jetrl.json`` (`write_export_dir`).
 
     Converted on the host: the 128x128 weight quantization is the recipe's reference (`jetrl.quant`), bitwise
     the same on every backend and device, so a GPU run exports the bytes it trained with."""
     from jetrl.convert import convert_model
 
     convert_model(model, recipe, backend="emulated")
-    final = Path(path)
-    tmp = final.with_name(f".tmp-{final.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_fp8_checkpoint(model, tokenizer, tmp)
-    (tmp / "jetrl.json").write_text(json.dumps({**info, "format": "vllm-fp8-block128"}, indent=2))
-    return replace_dir(tmp, final)
+    return write_export_dir(path, info, "vllm-fp8-block128", lambda tmp: save_fp8_checkpoint(model, tokenizer, tmp))

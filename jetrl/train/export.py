@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -161,15 +160,13 @@ def export_run(
         "gemm_backend": cfg.run.gemm_backend,
         "start_checkpoint": str(init_path),
     }
-    from jetrl.rollout.checkpoint import replace_dir, write_fp8_export
+    from jetrl.rollout.checkpoint import write_export_dir, write_fp8_export
 
-    written: dict[str, Path] = {}
-    tmp = targets["hf"].with_name(f".tmp-{HF_DIR}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    _save_tokenizer(tok, tmp)
-    (tmp / "jetrl.json").write_text(json.dumps({**info, "format": "hf-bf16"}, indent=2))
-    written["hf"] = replace_dir(tmp, targets["hf"])
+    def write_hf(tmp: Path) -> None:
+        model.save_pretrained(tmp, safe_serialization=True)
+        _save_tokenizer(tok, tmp)
+
+    written = {"hf": write_export_dir(targets["hf"], info, "hf-bf16", write_hf)}
     log(f"export: step {got_step} of {run} -> {targets['hf']} (HF, BF16 safetensors + tokenizer)")
     if fp8:
         written["fp8"] = write_fp8_export(model, tok, recipe, targets["fp8"], info)

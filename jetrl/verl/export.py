@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -143,18 +142,12 @@ def export_checkpoint(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from jetrl.rollout.checkpoint import replace_dir, write_fp8_export
+    from jetrl.rollout.checkpoint import write_export_dir, write_fp8_export
     from jetrl.verl.adapter import merge_fsdp_checkpoint
 
     step = int(_STEP_DIR.fullmatch(step_dir.name).group(1)) if step_dir is not None else trained.get("global_step")
     info = {"verl_checkpoint": str(actor), "step": step, **trained, "recipe": rec.name}
-    written: dict[str, Path] = {}
-    tmp = targets["hf"].with_name(f".tmp-{HF_DIR}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    merge_fsdp_checkpoint(actor, tmp)
-    (tmp / "jetrl.json").write_text(json.dumps({**info, "format": "hf-bf16"}, indent=2))
-    written["hf"] = replace_dir(tmp, targets["hf"])
+    written = {"hf": write_export_dir(targets["hf"], info, "hf-bf16", lambda tmp: merge_fsdp_checkpoint(actor, tmp))}
     log(f"export-verl: {actor} -> {targets['hf']} (HF, BF16 safetensors + tokenizer, verl's model merger)")
     if fp8:
         model = AutoModelForCausalLM.from_pretrained(targets["hf"], dtype=torch.bfloat16).eval()
