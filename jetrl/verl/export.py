@@ -164,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         return int(e.code or 0)
     try:
+        import jetrl.verl.adapter  # noqa: F401
+    except ImportError as e:
+        print(f"jetrl export-verl: verl is not importable ({e}); install verl 0.9.1 (the gpu extra)", file=sys.stderr)
+        return 2
+    try:
         export_checkpoint(args.ckpt, out=args.out, recipe=args.recipe, fp8=args.fp8, overwrite=args.overwrite)
     except ExportError as e:
         print(f"jetrl export-verl: {e}", file=sys.stderr)
