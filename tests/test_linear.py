@@ -219,11 +219,14 @@ def test_weight_caching_off_keeps_no_fp8_weight_and_gives_the_same_bits():
     assert set_fp8_weight_caching(layer, False) == 1 and not layer.cache_weight
     for _ in range(2):
         xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-        invalidate_fp8_caches(ref)  # its cached bytes have the same shapes
+        before = {id(t): t for t in fp8_weights_alive(layer)}  # e.g. ref's cache; held so no id is reused
         ya = layer(xa)
-        assert layer._cache is None and fp8_weights_alive(layer) == [], "an FP8 weight waits for the backward"
+        assert layer._cache is None and fp8_weights_alive(layer, exclude=before) == [], "an FP8 weight waits"
+        invalidate_fp8_caches(ref)
+        before = {id(t): t for t in fp8_weights_alive(ref)}
         yb = ref(xb)
-        assert fp8_weights_alive(ref) != []  # the cached path keeps its bytes (the check can see them)
+        assert fp8_weights_alive(ref, exclude=before) != []  # the cached path keeps its bytes (the check sees them)
+        del before
         ya.backward(dy)
         yb.backward(dy)
         assert torch.equal(ya, yb) and torch.equal(xa.grad, xb.grad) and torch.equal(layer.weight.grad, ref.weight.grad)

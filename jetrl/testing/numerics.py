@@ -32,12 +32,22 @@ def has_sm90() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 
 
-def fp8_weights_alive(*linears) -> list[torch.Tensor]:
-    """The live e4m3 tensors shaped like a weight ``[N, K]`` of `linears` or its transpose (as the garbage
-    collector sees them: held by a module, an autograd node's context or anything else; one scan of the heap)."""
+def fp8_weights_alive(*linears, exclude: dict | None = None) -> list[torch.Tensor]:
+    """The live e4m3 tensors with storage shaped like a weight ``[N, K]`` of `linears` or its transpose, other
+    than those whose ids key `exclude` (e.g. what was alive before a forward), as the garbage collector sees them:
+    held by a module, an autograd node's context or anything else; one scan of the heap. Fake and meta tensors
+    (left by tracing elsewhere in the process) hold no memory and are not counted."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
     shapes = {s for m in linears for s in ((m.out_features, m.in_features), (m.in_features, m.out_features))}
+    exclude = exclude or {}
     return [
         o
         for o in gc.get_objects()
-        if isinstance(o, torch.Tensor) and o.dtype == torch.float8_e4m3fn and tuple(o.shape) in shapes
+        if issubclass(type(o), torch.Tensor)  # not isinstance: that asks a dead weakref.proxy for its class
+        and o.dtype == torch.float8_e4m3fn
+        and tuple(o.shape) in shapes
+        and id(o) not in exclude
+        and not issubclass(type(o), FakeTensor)
+        and o.device.type != "meta"
     ]

@@ -70,15 +70,12 @@ def fp8_weight_probe(eng, ids) -> dict:
     linears = [m for m in eng.module.modules() if isinstance(m, JetFP8Linear)]
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
 
-    def alive() -> dict[int, torch.Tensor]:
-        return {id(t): t for t in fp8_weights_alive(*linears)}
-
     def one_pass():
         eng.module.train()
-        before = alive()  # held, so that no id of it is reused
+        before = {id(t): t for t in fp8_weights_alive(*linears)}  # held, so that no id of it is reused
         with torch.autocast(device_type, dtype=torch.bfloat16):
             loss = eng.module(input_ids=ids, use_cache=False).logits.float().logsumexp(-1).mean()
-        new = sorted({tuple(t.shape) for i, t in alive().items() if i not in before})
+        new = sorted({tuple(t.shape) for t in fp8_weights_alive(*linears, exclude=before)})
         del before
         loss.backward()
         grads = {n: p.grad.to_local().detach().clone() for n, p in eng.module.named_parameters()}
