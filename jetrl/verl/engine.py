@@ -240,6 +240,8 @@ class JetrlFSDPEngine(FSDPEngineWithLMHead):
         super().save_checkpoint(
             local_path, hdfs_path=hdfs_path, global_step=global_step, max_ckpt_to_keep=max_ckpt_to_keep, **kwargs
         )
+        if local_path is None:  # verl's checkpoint manager saves nothing then either
+            return
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             info = {
                 "recipe": self.jetrl_recipe.name,
