@@ -20,8 +20,8 @@ What changes against `FSDPEngineWithLMHead`, and nothing else:
   full-size FP8 copy of every layer on every rank, undoing the sharding (and the ref policy's, never
   refreshed, through the rollout), and could hand back bytes of weights FSDP has since overwritten in its
   shards: after ``load_checkpoint`` a forward ran on the pre-load weights
-  (``tests/verl_integration/test_verl_engine.py``). FSDP re-gathers for every forward anyway, so the cache saved
-  little: on CPU (FSDP2, world size 1) 25 of the 28 Linear calls of the two forwards after the first missed it.
+  (``tests/verl_integration/test_verl_engine.py``). FSDP re-gathers for every forward anyway, so the cache was hit
+  only where a gathered weight happened to come back at the same address (no saving to count on).
 - ``save_checkpoint``: verl's checkpoint, plus ``jetrl.json`` (recipe, numerics, the rollout's engine ops, GEMM
   backend, the dtype the weights are quantized from) beside the shards, which ``jetrl export-verl``
   (`jetrl.verl.export`) reads and passes on to ``jetrl lint --model``.
