@@ -257,7 +257,8 @@ class JetFP8Linear(nn.Linear):
         the backward; `set_fp8_weight_caching`)."""
         self._master: nn.Parameter | None = None  # set by jetrl.fp8_param
         self.weight_quantizations = 0
-        """How many times the weight has been quantized (tests check: once per optimizer step)."""
+        """How many times the weight has been quantized (tests check: once per optimizer step with the cache, once
+        per forward and backward without it)."""
 
     @classmethod
     def from_linear(

@@ -19,8 +19,11 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["save_fp8_checkpoint", "write_fp8_export", "write_export_dir", "FP8_BLOCK_QUANT_CONFIG"]
+__all__ = ["save_fp8_checkpoint", "write_fp8_export", "write_export_dir", "FP8_BLOCK_QUANT_CONFIG", "HF_DIR", "FP8_DIR"]
 
+HF_DIR = "hf"
+FP8_DIR = "fp8-block128"
+"""The folders an export writes (`jetrl export`, `jetrl export-verl`): the HF policy and its block-FP8 checkpoint."""
 FP8_BLOCK_QUANT_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 """The ``quantization_config`` of a stock 128x128 block-FP8 checkpoint (without ``ignored_layers``)."""
 

@@ -28,10 +28,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "build_parser", "export_run", "ExportError", "HF_DIR", "FP8_DIR"]
+from jetrl.rollout.checkpoint import FP8_DIR, HF_DIR
 
-HF_DIR = "hf"
-FP8_DIR = "fp8-block128"
+__all__ = ["main", "build_parser", "export_run", "ExportError", "HF_DIR", "FP8_DIR"]
 
 
 class ExportError(ValueError):

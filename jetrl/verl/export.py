@@ -31,10 +31,10 @@ import re
 import sys
 from pathlib import Path
 
+from jetrl.rollout.checkpoint import FP8_DIR, HF_DIR
+
 __all__ = ["main", "build_parser", "export_checkpoint", "find_actor_dir", "ExportError", "HF_DIR", "FP8_DIR"]
 
-HF_DIR = "hf"
-FP8_DIR = "fp8-block128"
 _STEP_DIR = re.compile(r"global_step_(\d+)")
 
 
@@ -118,7 +118,7 @@ def export_checkpoint(
     trained = _trained_with(actor, recipe)
     try:
         rec = Recipe.from_name(trained["recipe"])
-    except (KeyError, ValueError) as e:
+    except ValueError as e:
         raise ExportError(f"recipe {trained['recipe']!r}: {e}") from None
     if fp8 and not rec.train_fp8:
         raise ExportError(
@@ -145,7 +145,9 @@ def export_checkpoint(
     from jetrl.rollout.checkpoint import write_export_dir, write_fp8_export
     from jetrl.verl.adapter import merge_fsdp_checkpoint
 
-    step = int(_STEP_DIR.fullmatch(step_dir.name).group(1)) if step_dir is not None else trained.get("global_step")
+    step = trained.pop("global_step", None)
+    if step_dir is not None:
+        step = int(_STEP_DIR.fullmatch(step_dir.name).group(1))
     info = {"verl_checkpoint": str(actor), "step": step, **trained, "recipe": rec.name}
     written = {"hf": write_export_dir(targets["hf"], info, "hf-bf16", lambda tmp: merge_fsdp_checkpoint(actor, tmp))}
     log(f"export-verl: {actor} -> {targets['hf']} (HF, BF16 safetensors + tokenizer, verl's model merger)")
