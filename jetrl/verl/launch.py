@@ -174,6 +174,12 @@ def apply_recipe(cfg: DictConfig) -> dict[str, str]:
             f"trainer.v1.trainer_mode={cfg.trainer.v1.trainer_mode!r}: jetrl-unified syncs the trainer's FP8 bytes "
             f"into colocated rollout workers (verl's in-process sync); use one of {list(COLOCATED_TRAINER_MODES)}"
         )
+    lora_rank = arr.model.get("lora_rank") or 0
+    if lora_rank > 0:
+        raise ConfigError(
+            f"actor_rollout_ref.model.lora_rank={lora_rank}: jetrl-unified's FP8 engine trains the full weights it "
+            "syncs as FP8 bytes; LoRA is not supported (lora_rank=0, or jetrl.recipe=bf16 for verl's own LoRA)"
+        )
     for role in ("actor", "ref"):
         strategy = arr[role].get("strategy")
         if strategy not in ("fsdp", "fsdp2"):

@@ -177,6 +177,7 @@ def test_the_recipe_key_is_validated(ckpt):
     [
         ("actor_rollout_ref.rollout.quantization=fp8", r"actor_rollout_ref\.rollout\.quantization='fp8'"),
         ("actor_rollout_ref.rollout.name=sglang", r"actor_rollout_ref\.rollout\.name='sglang'"),
+        ("actor_rollout_ref.model.lora_rank=8", r"actor_rollout_ref\.model\.lora_rank=8: .*LoRA is not supported"),
     ],
 )
 def test_settings_contradicting_the_recipe_are_named(ckpt, override, named):
