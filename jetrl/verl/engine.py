@@ -4,13 +4,15 @@ verl builds the actor (and the reference policy) with ``EngineRegistry.new("lang
 ...)``. `register_engine` files this class under vendor ``jetrl`` for ``fsdp`` and ``fsdp2`` on
 ``cuda``, so it is chosen only where the workers run with ``VERL_ENGINE_VENDOR=jetrl`` (the
 entrypoint `jetrl.verl.__main__` puts that in the Ray runtime env); every other verl run keeps verl's
-engine. Registering under vendor ``nvidia`` instead would replace FSDP for every verl job.
+engine. Registering under vendor ``nvidia`` instead would replace FSDP for every verl job. It runs FSDP2
+only (``strategy=fsdp2``, the entrypoint's default; verl's own default ``fsdp`` is FSDP1): under ``fsdp`` it
+refuses to build, rather than leave a verl run with this vendor on verl's BF16 engine.
 
 What changes against `FSDPEngineWithLMHead`, and nothing else:
 
 - ``_build_module``: verl loads the HF model (fp32 masters for training, bf16 for a forward-only ref),
   then `jetrl.convert.convert_model` swaps the recipe's Linears for `JetFP8Linear` in place *before*
-  FSDP wraps the model. The Parameters are the same objects under the same HF names, so FSDP1/FSDP2
+  FSDP wraps the model. The Parameters are the same objects under the same HF names, so FSDP2's
   sharding, mixed precision (the unsharded weight a Linear sees is the ``param_dtype`` cast of the fp32
   shard), the optimizer, checkpoints and ``get_per_tensor_param`` see an unchanged model.
 - No FP8 weight is kept (`jetrl.linear.set_fp8_weight_caching` off): each forward quantizes the weight FSDP
@@ -56,8 +58,8 @@ The recipe comes from ``JETRL_RECIPE`` (set with the vendor by the entrypoint), 
 jetrl's ``fp8_param`` storage (`jetrl.fp8_param`) is not used on this path: its fp32 masters live outside
 the module, where FSDP would not shard them; the weights stay verl's fp32 masters and the bytes are
 quantized from their ``param_dtype`` cast, as the forward does. Tested with FSDP2 (CPU, gloo, 1 and 2
-processes, both export modes); FSDP1 shares the gather code but has not been run, and the per-shard
-export is refused there (its shard stream is not DTensor-placed).
+processes, both export modes). FSDP1 is refused: verl's FSDP1 cannot run on a CPU (its
+``sync_module_states`` needs a GPU), so nothing here tests it.
 """
 
 from __future__ import annotations
@@ -204,6 +206,11 @@ class JetrlFSDPEngine(FSDPEngineWithLMHead):
             raise RuntimeError(f"{NUMERICS_ENV}=strict runs vLLM's CUDA kernels in the actor; no CUDA device here")
         self.jetrl_recipe, self.jetrl_numerics = recipe_from_env(), numerics
         self.jetrl_last_export = {}
+        if self.engine_config.strategy != "fsdp2":
+            raise NotImplementedError(
+                f"jetrl verl engine: strategy={self.engine_config.strategy!r}; it runs verl's FSDP2 engine only "
+                "(set actor_rollout_ref.actor.strategy=fsdp2; the ref follows it)"
+            )
         if self._is_lora:
             raise NotImplementedError(
                 "jetrl verl engine: LoRA is not supported (set actor_rollout_ref.model.lora_rank=0)"

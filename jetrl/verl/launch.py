@@ -166,7 +166,8 @@ def apply_recipe(cfg: DictConfig) -> dict[str, str]:
                 "out with verl's own vLLM server"
             )
         return changed
-    from jetrl.verl.engine import ENGINE_OPS_ENV, NUMERICS_ENV
+    from jetrl.gemm import BACKEND_NAMES
+    from jetrl.verl.engine import BACKEND_ENV, ENGINE_OPS_ENV, EXPORT_ENV, EXPORT_MODES, NUMERICS_ENV
     from jetrl.verl.worker import ROLLOUT_NAME
 
     if cfg.trainer.v1.trainer_mode not in COLOCATED_TRAINER_MODES:
@@ -182,10 +183,10 @@ def apply_recipe(cfg: DictConfig) -> dict[str, str]:
         )
     for role in ("actor", "ref"):
         strategy = arr[role].get("strategy")
-        if strategy not in ("fsdp", "fsdp2"):
+        if strategy != "fsdp2":
             raise ConfigError(
-                f"actor_rollout_ref.{role}.strategy={strategy!r}: jetrl's FP8 engine extends verl's FSDP engine "
-                "(fsdp or fsdp2)"
+                f"actor_rollout_ref.{role}.strategy={strategy!r}: jetrl's FP8 engine extends verl's FSDP2 engine "
+                "(fsdp2, this config's default; verl's fsdp is FSDP1)"
             )
     name = None if OmegaConf.is_missing(rollout, "name") else rollout.name
     if name not in (None, "vllm", ROLLOUT_NAME):
@@ -216,9 +217,15 @@ def apply_recipe(cfg: DictConfig) -> dict[str, str]:
         changed |= strict_changed
         wanted |= strict_env  # every worker, from its start: the actor's and the engine's processes alike
         required |= set(strict_env)
-    for key in ("JETRL_GEMM_BACKEND", "JETRL_FP8_EXPORT"):  # jetrl.verl.engine reads them in the workers
-        if os.environ.get(key):
-            wanted[key] = os.environ[key]
+    # jetrl.verl.engine reads these in the workers; checked here, not at the first sync after Ray has started
+    backend, export = os.environ.get(BACKEND_ENV), os.environ.get(EXPORT_ENV)
+    if backend and backend not in BACKEND_NAMES:
+        raise ConfigError(f"{BACKEND_ENV}={backend!r}: choose one of {BACKEND_NAMES}")
+    if export and export not in EXPORT_MODES:
+        raise ConfigError(f"{EXPORT_ENV}={export!r}: choose one of {EXPORT_MODES}")
+    for key, value in ((BACKEND_ENV, backend), (EXPORT_ENV, export)):
+        if value:
+            wanted[key] = value
     for k, v in wanted.items():
         if k in required and env.get(k) not in (None, v):
             raise ConfigError(

@@ -63,6 +63,12 @@ def test_linears_are_jetrl_fp8_under_fsdp2_with_hf_names(engine):
     assert not any(isinstance(m, JetFP8Linear) for n, m in engine.module.named_modules() if n.endswith("lm_head"))
 
 
+def test_fsdp1_is_refused_before_the_model_is_built(engine, ckpt):
+    # verl's own default strategy; its FSDP1 wrapping needs a GPU, so no test here could cover it
+    with pytest.raises(NotImplementedError, match=r"strategy='fsdp'; it runs verl's FSDP2 engine only"):
+        build_engine(ckpt, strategy="fsdp")
+
+
 def test_stream_equals_export_fp8_weights_and_bf16_for_the_rest(engine, ckpt):
     stream = _stream(engine)
     ref_model, ref = _reference_export(ckpt)

@@ -62,6 +62,8 @@ def test_jetrl_unified_selects_jetrls_engine_and_rollout(ckpt):
     assert cfg.actor_rollout_ref.rollout.name == "jetrl_vllm"
     assert cfg.actor_rollout_ref.model.external_lib == "jetrl.verl.plugin"
     assert cfg.actor_rollout_ref.rollout.quantization is None
+    # verl's FSDP2 engine (verl's own default strategy, fsdp, is FSDP1), for the ref too
+    assert cfg.actor_rollout_ref.actor.strategy == cfg.actor_rollout_ref.ref.strategy == "fsdp2"
     assert changed["actor_rollout_ref.rollout.name"] == "jetrl_vllm"
     # auto: the actor's ops in the engine (jetrl.rollout.vllm_model) for jetrl-unified
     assert cfg.jetrl.engine_ops == "hf" and env.JETRL_ENGINE_OPS == "hf" and changed["jetrl.engine_ops"] == "hf"
@@ -177,6 +179,8 @@ def test_the_recipe_key_is_validated(ckpt):
     [
         ("actor_rollout_ref.rollout.quantization=fp8", r"actor_rollout_ref\.rollout\.quantization='fp8'"),
         ("actor_rollout_ref.rollout.name=sglang", r"actor_rollout_ref\.rollout\.name='sglang'"),
+        ("actor_rollout_ref.actor.strategy=fsdp", r"actor_rollout_ref\.actor\.strategy='fsdp': .*FSDP2 engine"),
+        ("actor_rollout_ref.ref.strategy=fsdp", r"actor_rollout_ref\.ref\.strategy='fsdp': .*FSDP2 engine"),
         ("actor_rollout_ref.model.lora_rank=8", r"actor_rollout_ref\.model\.lora_rank=8: .*LoRA is not supported"),
     ],
 )
@@ -309,6 +313,25 @@ def test_per_shard_export_needs_fsdp_shards_on_128_rows(monkeypatch):
         check_parallelism(_parallel(MODELS / "llama3.1-8b", 2, "trainer.nnodes=2"))  # 1024 / 16 = 64 rows
     monkeypatch.delenv("JETRL_FP8_EXPORT")
     check_parallelism(_parallel(MODELS / "llama3.1-8b", 2, "trainer.nnodes=2"))  # gather after all: no constraint
+
+
+@pytest.mark.parametrize(
+    ("env", "extra", "named"),
+    [
+        ({"JETRL_GEMM_BACKEND": "cutlass"}, [], r"JETRL_GEMM_BACKEND='cutlass': choose one of \(.*'deepgemm'"),
+        ({"JETRL_FP8_EXPORT": "shards"}, [], r"JETRL_FP8_EXPORT='shards': choose one of \('gather', 'shard'\)"),
+    ],
+)
+def test_the_workers_jetrl_variables_are_checked_before_ray(ckpt, monkeypatch, env, extra, named):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ConfigError, match=named):
+        apply_recipe(compose(_base(ckpt) + extra))
+    monkeypatch.setenv("JETRL_GEMM_BACKEND", "emulated")
+    monkeypatch.delenv("JETRL_FP8_EXPORT", raising=False)
+    cfg = compose(_base(ckpt) + extra)
+    apply_recipe(cfg)
+    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.JETRL_GEMM_BACKEND == "emulated"  # reaches the workers
 
 
 def test_the_lint_refuses_the_off_policy_baseline_unless_told(ckpt, capsys):

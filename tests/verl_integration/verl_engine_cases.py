@@ -15,9 +15,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_engine(ckpt, gradient_checkpointing: bool = False):
-    """verl's FSDP2 initialisation of `JetrlFSDPEngine` on `ckpt` (sdpa, no remove-padding: the CPU has no
-    flash-attn), in the process group already initialised; the recipe comes from ``JETRL_RECIPE``."""
+def build_engine(ckpt, gradient_checkpointing: bool = False, strategy: str = "fsdp2"):
+    """verl's FSDP2 (`strategy`) initialisation of `JetrlFSDPEngine` on `ckpt` (sdpa, no remove-padding: the CPU
+    has no flash-attn), in the process group already initialised; the recipe comes from ``JETRL_RECIPE``."""
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
 
@@ -30,7 +30,7 @@ def build_engine(ckpt, gradient_checkpointing: bool = False):
             enable_gradient_checkpointing=gradient_checkpointing,
             override_config={"attn_implementation": "sdpa"},
         ),
-        FSDPEngineConfig(strategy="fsdp2", forward_only=False, use_torch_compile=False),
+        FSDPEngineConfig(strategy=strategy, forward_only=False, use_torch_compile=False),
         FSDPOptimizerConfig(lr=1e-2, clip_grad=1.0),
         CheckpointConfig(),
     )
