@@ -37,7 +37,6 @@ from verl.trainer.ppo.utils import need_critic, need_reference_policy
 from verl.trainer.ppo.v1 import PPOTrainer, get_trainer_cls
 from verl.utils import tensordict_utils as _tu
 from verl.utils.config import validate_config
-from verl.utils.fsdp_utils import fsdp_version
 from verl.utils.logging_utils import configure_verl_logging
 from verl.workers.engine.base import EngineRegistry
 from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
@@ -64,7 +63,6 @@ __all__ = [
     "micro_batch_setting",
     "configure_verl_logging",
     "tq",
-    "fsdp_version",
     "need_critic",
     "need_reference_policy",
     "register_rollout_name",

@@ -81,7 +81,6 @@ from jetrl.rollout.sync import WeightSyncError, tensor_digest
 from jetrl.verl.adapter import (
     EngineRegistry,
     FSDPEngineWithLMHead,
-    fsdp_version,
     micro_batch_setting,
     registered_engine,
 )
@@ -272,8 +271,6 @@ class JetrlFSDPEngine(FSDPEngineWithLMHead):
         if mode not in EXPORT_MODES:
             raise ValueError(f"{EXPORT_ENV}={mode!r}: choose one of {EXPORT_MODES}")
         if mode == "shard" and self.jetrl_recipe.weight_sync == "fp8-bytes":
-            if fsdp_version(self.module) != 2:
-                raise ValueError(f"{EXPORT_ENV}=shard needs FSDP2 (actor_rollout_ref.actor.strategy=fsdp2)")
             shards, peft_config = super().get_per_tensor_param_shard(**kwargs)
             if peft_config is not None:
                 raise NotImplementedError("jetrl verl engine: LoRA weight streams are not supported")
