@@ -316,20 +316,19 @@ def test_per_shard_export_needs_fsdp_shards_on_128_rows(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("env", "extra", "named"),
+    ("key", "value", "named"),
     [
-        ({"JETRL_GEMM_BACKEND": "cutlass"}, [], r"JETRL_GEMM_BACKEND='cutlass': choose one of \(.*'deepgemm'"),
-        ({"JETRL_FP8_EXPORT": "shards"}, [], r"JETRL_FP8_EXPORT='shards': choose one of \('gather', 'shard'\)"),
+        ("JETRL_GEMM_BACKEND", "cutlass", r"JETRL_GEMM_BACKEND='cutlass': choose one of \(.*'deepgemm'"),
+        ("JETRL_FP8_EXPORT", "shards", r"JETRL_FP8_EXPORT='shards': choose one of \('gather', 'shard'\)"),
     ],
 )
-def test_the_workers_jetrl_variables_are_checked_before_ray(ckpt, monkeypatch, env, extra, named):
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
+def test_the_workers_jetrl_variables_are_checked_before_ray(ckpt, monkeypatch, key, value, named):
+    monkeypatch.setenv(key, value)
     with pytest.raises(ConfigError, match=named):
-        apply_recipe(compose(_base(ckpt) + extra))
+        apply_recipe(compose(_base(ckpt)))
     monkeypatch.setenv("JETRL_GEMM_BACKEND", "emulated")
     monkeypatch.delenv("JETRL_FP8_EXPORT", raising=False)
-    cfg = compose(_base(ckpt) + extra)
+    cfg = compose(_base(ckpt))
     apply_recipe(cfg)
     assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.JETRL_GEMM_BACKEND == "emulated"  # reaches the workers
 
