@@ -12,7 +12,9 @@ CI runs on whatever CPU the submitting machine has; to test the other paths ther
   False before anything imports vLLM, so vLLM picks its kernels and attention ISA as on such a CPU.
 
 An emulated ISA can only remove instructions: AVX2 can be emulated on any AVX-512 machine, AVX-512
-without BF16 only on one that has AVX-512. The emulated AVX2 run reproduced the log-probs reported
+without BF16 only on one that has AVX-512, AVX-512 + BF16 without AMX only on an AMX CPU (whose native path,
+vLLM's AMX attention and sgl-kernel GEMMs, the matched trainer does not reproduce: there this emulation is
+what keeps the ``_C`` path tested). The emulated AVX2 run reproduced the log-probs reported
 from a real AVX2-only AMD EPYC to the last printed digit (issue 21).
 """
 
@@ -25,8 +27,11 @@ import torch
 
 __all__ = ["EMULATED_ISAS", "can_emulate", "emulated_cpu_env", "native_isa"]
 
-EMULATED_ISAS = ("avx2", "avx512")
-"""``avx2``: AVX2 only (vLLM ``_C_AVX2``). ``avx512``: AVX-512 without BF16/AMX (vLLM ``_C_AVX512``)."""
+EMULATED_ISAS = ("avx2", "avx512", "avx512-bf16")
+"""``avx2``: AVX2 only (vLLM ``_C_AVX2``). ``avx512``: AVX-512 without BF16/AMX (vLLM ``_C_AVX512``).
+``avx512-bf16``: AVX-512 with BF16 but no AMX (vLLM ``_C`` with its ``vec`` attention; emulated on an AMX CPU,
+where vLLM's AMX attention and sgl-kernel GEMMs, which `jetrl.rollout.engine_match` does not reproduce, are
+the native path)."""
 
 _PROBES_OFF = {
     "avx2": (
@@ -37,10 +42,12 @@ _PROBES_OFF = {
         "_is_amx_fp16_supported",
     ),
     "avx512": ("_is_avx512_bf16_supported", "_is_amx_tile_supported", "_is_amx_fp16_supported"),
+    "avx512-bf16": ("_is_amx_tile_supported", "_is_amx_fp16_supported"),
 }
 _ENV = {
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
     "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
+    "avx512-bf16": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
 }
 _SITECUSTOMIZE = '''"""Written by jetrl.testing.cpu_isa: torch.cpu's ISA probes report {isa!r} (JETRL_EMULATED_ISA)."""
 import torch.cpu as _cpu
@@ -52,11 +59,14 @@ for _name in {probes!r}:
 
 
 def native_isa() -> str:
-    """This process's x86 path as vLLM chooses it: ``avx512-bf16``, ``avx512``, ``avx2`` (or ``other``)."""
+    """This process's x86 path as vLLM chooses it: ``amx`` (AVX-512 + BF16 + AMX tiles), ``avx512-bf16``,
+    ``avx512``, ``avx2`` (or ``other``)."""
     if not torch.backends.cpu.get_cpu_capability().startswith("AVX"):
         return "other"
     if torch.cpu._is_avx512_supported():
-        return "avx512-bf16" if torch.cpu._is_avx512_bf16_supported() else "avx512"
+        if not torch.cpu._is_avx512_bf16_supported():
+            return "avx512"
+        return "amx" if torch.cpu._is_amx_tile_supported() else "avx512-bf16"
     return "avx2"
 
 
@@ -71,6 +81,8 @@ def can_emulate(isa: str) -> str | None:
         return f"this CPU is {isa}: the suite's own run already covers that path"
     if isa == "avx512" and native == "avx2":
         return "this CPU has no AVX-512 to run the AVX-512 kernels"
+    if isa == "avx512-bf16" and native != "amx":
+        return f"this CPU is {native}: without AMX there is nothing to take away for this path"
     return None
 
 

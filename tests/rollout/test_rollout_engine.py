@@ -18,7 +18,7 @@ from jetrl.convert import convert_model  # noqa: E402
 from jetrl.recipe import Recipe  # noqa: E402
 from jetrl.rollout.adapter import create_engine  # noqa: E402
 from jetrl.rollout.checkpoint import save_fp8_checkpoint  # noqa: E402
-from jetrl.rollout.engine_match import match_vllm_cpu  # noqa: E402
+from jetrl.rollout.engine_match import match_vllm_cpu, vllm_cpu_path  # noqa: E402
 from jetrl.rollout.parity import logprob_mismatch  # noqa: E402
 from jetrl.rollout.sync import WeightSyncError, sync_weights, trainer_payload, verify_weights  # noqa: E402
 from jetrl.tiny import TINY_DEFAULTS, CharTokenizer, build_tiny_model, save_tiny_checkpoint  # noqa: E402
@@ -255,6 +255,9 @@ def test_logprob_mismatch_unified_below_naive(setups):
     assert u["mean_abs"] < 0.75 * n["mean_abs"] and u["max_abs"] < n["max_abs"], f"unified {u} vs naive {n}"
     # with the trainer's non-Linear ops matched to vLLM's CPU kernels (what `jetrl train` does on CPU),
     # the unified trainer computes the engine's log-probs: the mismatch collapses, naive's stays
+    path = vllm_cpu_path()
+    if not path.matched:  # an AMX CPU: tests/isa runs this test again under the avx512-bf16 emulation
+        pytest.skip(f"the part above passed; this CPU's vLLM path is not reproduced: {path.describe()}")
     matched = copy.deepcopy(setups["jetrl-unified"][1])
     match_vllm_cpu(matched)
     m = _logprob_mismatch(setups["jetrl-unified"][0], matched, setups["jetrl-unified"][2])
