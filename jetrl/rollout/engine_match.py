@@ -199,9 +199,10 @@ def _layer_forward(
     return s.to(dtype).to(torch.float32) + h.to(torch.float32)
 
 
-def match_vllm_cpu(model: nn.Module, path: VllmCpuPath | None = None) -> VllmCpuPath:
+def match_vllm_cpu(model: nn.Module, path: VllmCpuPath | None = None, amx: bool = True) -> VllmCpuPath:
     """Switch a loaded HF Qwen3/Llama-style decoder to vLLM-CPU-matched numerics, in place, for `path`
-    (default: `vllm_cpu_path` of this machine); returns the path matched. Raises ValueError naming what
+    (default: `vllm_cpu_path` of this machine, ``amx=False``: of an engine started with ``cpu_amx=False``);
+    returns the path matched. Raises ValueError naming what
     is missing on other architectures. A path with ``matched=False`` is applied as far as it goes; the
     caller reports it (`VllmCpuPath.describe`)."""
     from transformers import AttentionInterface
@@ -217,7 +218,7 @@ def match_vllm_cpu(model: nn.Module, path: VllmCpuPath | None = None) -> VllmCpu
             raise ValueError(f"model.numerics='vllm-cpu': model.layers.{i} lacks {lack}")
     if path is None:
         cfg = model.config
-        path = vllm_cpu_path(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        path = vllm_cpu_path(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads, amx=amx)
     # registration happens here, in the set-up that asks for it, not at import
     AttentionInterface.register(ATTN_NAME, _attention)
     AttentionMaskInterface.register(ATTN_NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])

@@ -14,8 +14,8 @@ CI runs on whatever CPU the submitting machine has; to test the other paths ther
 An emulated ISA can only remove instructions: AVX2 can be emulated on any AVX-512 machine, AVX-512
 without BF16 only on one that has AVX-512, AVX-512 + BF16 without AMX only on an AMX CPU (whose native path,
 vLLM's AMX attention and sgl-kernel GEMMs, the matched trainer does not reproduce: there this emulation is
-what keeps the ``_C`` path tested). The emulated AVX2 run reproduced the log-probs reported
-from a real AVX2-only AMD EPYC to the last printed digit (issue 21).
+what keeps the ``_C`` path of a CPU without AMX tested, oneDNN included). The emulated AVX2 run reproduced
+the log-probs reported from a real AVX2-only AMD EPYC to the last printed digit (issue 21).
 """
 
 from __future__ import annotations

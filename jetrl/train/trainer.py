@@ -399,11 +399,9 @@ class Trainer:
         if cfg.model.numerics == "hf" and cfg.model.attn_implementation == "sdpa_causal":
             use_causal_sdpa(model)
         if cfg.model.numerics == "vllm-cpu":
-            from jetrl.rollout.engine_match import match_vllm_cpu, vllm_cpu_path
+            from jetrl.rollout.engine_match import match_vllm_cpu
 
-            c = model.config
-            head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-            self.numerics_path = match_vllm_cpu(model, vllm_cpu_path(head_dim, amx=False))  # engine: cpu_amx=False
+            self.numerics_path = match_vllm_cpu(model, amx=False)  # the engine starts with cpu_amx=False
         elif cfg.model.numerics == "strict":
             from jetrl.rollout.engine_strict import match_vllm_strict
 
