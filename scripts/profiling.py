@@ -4,6 +4,7 @@ cProfile (imported by the ``scripts/bench_*.py`` run as scripts: this folder is 
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,10 +16,16 @@ __all__ = [
     "read_trace",
     "launch_kind",
     "DEVICE_EVENT_CATEGORIES",
+    "HOST_CALL_CATEGORIES",
 ]
 
 DEVICE_EVENT_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 """Chrome-trace categories of device activity (what `profile_cuda` counts as device time)."""
+HOST_CALL_CATEGORIES = ("cuda_runtime", "cuda_driver")
+"""Chrome-trace categories of the host's CUDA runtime / driver calls (launches, copies, synchronizations)."""
+RUNTIME_CALL = re.compile(r"cu(da)?[A-Z]")
+"""A CUDA runtime / driver call's name in torch.profiler's key averages (``cudaStreamSynchronize``,
+``cuLaunchKernelEx``), as against ``aten::`` ops and kernels."""
 
 LAUNCH_CALLS = {
     "graph": ("cudaGraphLaunch", "cuGraphLaunch"),
@@ -41,14 +48,18 @@ def profile_summary(
     wall_s: float,
     steps: int,
     top: int = 15,
-    launches: dict[str, int] | None = None,
+    host_calls: list[tuple[str, int, float]] | None = None,
+    top_host: int = 6,
 ) -> dict:
     """Where a step's time goes, from ``(kernel name, calls, GPU microseconds)`` of a profiled run of `steps`
     steps (e.g. output tokens of a generate) that took `wall_s`: wall and GPU-busy ms per step (their gap is
     host time the GPU waited through, when kernels do not overlap) and the `top` kernels by GPU time, with
-    their share. `launches` (host calls per `launch_kind`, over the run) adds ``launches_per_step``: about one
-    graph replay a step where a decode step replays a CUDA graph, none (every kernel launched by itself) where
-    it runs eagerly."""
+    their share. `host_calls` (``(CUDA runtime / driver call, calls, host microseconds)`` over the run) adds
+    ``launches_per_step`` (calls per `launch_kind`: about one graph replay a step where a decode step replays a
+    CUDA graph, none (every kernel launched by itself) where it runs eagerly) and ``top_host_calls``, the calls
+    the host spent the most time in: a synchronization that waits out most of a step while the process's own
+    kernels are short says the GPU (or the copy it waits for) was held up elsewhere, a launch call that does
+    says the host is slow to issue."""
     if steps < 1 or wall_s <= 0:
         raise ValueError(f"profile_summary: steps={steps}, wall_s={wall_s} must be positive")
     busy_us = sum(us for _, _, us in kernels)
@@ -64,8 +75,16 @@ def profile_summary(
             for n, c, us in rows
         ],
     }
-    if launches is not None:
-        out["launches_per_step"] = {kind: launches.get(kind, 0) / steps for kind in LAUNCH_CALLS}
+    if host_calls is not None:
+        launches = dict.fromkeys(LAUNCH_CALLS, 0)
+        for name, calls, _ in host_calls:
+            if (kind := launch_kind(name)) is not None:
+                launches[kind] += calls
+        out["launches_per_step"] = {kind: n / steps for kind, n in launches.items()}
+        out["top_host_calls"] = [
+            {"name": n, "calls_per_step": c / steps, "host_us_per_step": us / steps}
+            for n, c, us in sorted(host_calls, key=lambda h: -h[2])[:top_host]
+        ]
     return out
 
 
@@ -82,21 +101,21 @@ def profile_cuda(fn: Callable[[], object], *, steps: int, top: int = 15) -> dict
         fn()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    kernels, launches = [], dict.fromkeys(LAUNCH_CALLS, 0)
+    kernels, host_calls = [], []
     for e in prof.key_averages():
         if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0:
             kernels.append((e.key, e.count, e.self_device_time_total))
-        elif (kind := launch_kind(e.key)) is not None:
-            launches[kind] += e.count
-    return profile_summary(kernels, wall_s=wall, steps=steps, top=top, launches=launches)
+        elif RUNTIME_CALL.match(e.key):
+            host_calls.append((e.key, e.count, e.cpu_time_total))
+    return profile_summary(kernels, wall_s=wall, steps=steps, top=top, host_calls=host_calls)
 
 
-def read_trace(path: str | Path) -> tuple[list[tuple[str, int, float]], dict[str, int]]:
+def read_trace(path: str | Path) -> tuple[list[tuple[str, int, float]], list[tuple[str, int, float]]]:
     """What `profile_summary` takes, from one read of a torch.profiler Chrome trace (``.json`` or ``.json.gz``,
     as ``tensorboard_trace_handler`` writes it; e.g. a vLLM worker's, profiled by vLLM's own profiler):
-    ``(name, calls, device microseconds)`` per kernel / memcpy / memset, and the host launch calls per
-    `launch_kind` (its CUDA runtime / driver events). A trace without device events is refused: it was recorded
-    without CUDA activity."""
+    ``(name, calls, device microseconds)`` per kernel / memcpy / memset, and ``(name, calls, host
+    microseconds)`` per CUDA runtime / driver call (`HOST_CALL_CATEGORIES`). A trace without device events is
+    refused: it was recorded without CUDA activity."""
     import gzip
     import json
 
@@ -106,20 +125,22 @@ def read_trace(path: str | Path) -> tuple[list[tuple[str, int, float]], dict[str
     events = data.get("traceEvents") if isinstance(data, dict) else None
     if not isinstance(events, list):
         raise ValueError(f"{path}: no traceEvents list; not a torch.profiler Chrome trace")
-    per: dict[str, list[float]] = {}
-    launches = dict.fromkeys(LAUNCH_CALLS, 0)
+    device: dict[str, list[float]] = {}
+    host: dict[str, list[float]] = {}
     for e in events:
         if e.get("ph") != "X":
             continue
-        if e.get("cat") in DEVICE_EVENT_CATEGORIES:
-            calls_us = per.setdefault(e["name"], [0, 0.0])
+        cat = e.get("cat")
+        per = device if cat in DEVICE_EVENT_CATEGORIES else host if cat in HOST_CALL_CATEGORIES else None
+        if per is not None:
+            calls_us = per.setdefault(str(e["name"]), [0, 0.0])
             calls_us[0] += 1
             calls_us[1] += float(e["dur"])
-        elif (kind := launch_kind(str(e.get("name", "")))) is not None:
-            launches[kind] += 1
-    if not per:
+    if not device:
         raise ValueError(f"{path}: no {'/'.join(DEVICE_EVENT_CATEGORIES)} events (recorded without CUDA activity?)")
-    return [(name, int(c), us) for name, (c, us) in per.items()], launches
+    return [(name, int(c), us) for name, (c, us) in device.items()], [
+        (name, int(c), us) for name, (c, us) in host.items()
+    ]
 
 
 def profile_host(fn: Callable[[], object], *, steps: int, top: int = 20) -> dict:

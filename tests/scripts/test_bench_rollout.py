@@ -157,10 +157,19 @@ def test_read_trace_sums_device_time_and_counts_launches_of_a_chrome_trace(bench
     from profiling import profile_summary, read_trace
 
     for name in ("rank0.1.pt.trace.json.gz", "rank0.2.pt.trace.json"):
-        kernels, launches = read_trace(_chrome_trace(tmp_path / name, KERNELS))
+        kernels, host_calls = read_trace(_chrome_trace(tmp_path / name, KERNELS))
         got = sorted(kernels)
         assert got == [("Memcpy DtoH", 1, 2.0), ("gemm", 2, 40.0)]
-        assert launches == {"graph": 1, "kernel": 2}
+        assert sorted(host_calls) == [
+            ("cuLaunchKernelEx", 1, 5.0),
+            ("cudaGraphLaunch_v10000", 1, 5.0),
+            ("cudaLaunchKernel", 1, 5.0),
+            ("cudaMemcpyAsync", 1, 5.0),
+        ]
+        assert profile_summary(got, wall_s=0.001, steps=1, host_calls=host_calls)["launches_per_step"] == {
+            "graph": 1.0,
+            "kernel": 2.0,
+        }
     summary = profile_summary(got, wall_s=0.001, steps=2)
     assert summary["gpu_busy_ms_per_step"] == pytest.approx(0.021) and summary["wall_ms_per_step"] == 0.5
     with pytest.raises(ValueError, match="no kernel/gpu_memcpy/gpu_memset events"):

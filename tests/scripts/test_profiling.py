@@ -19,14 +19,27 @@ def test_profile_summary_per_step_and_top_kernels():
         prof.profile_summary([], wall_s=1.0, steps=4)
 
 
-def test_launches_per_step_tell_graph_replays_from_eager_launches():
+def test_host_calls_tell_graph_replays_from_eager_launches_and_name_the_longest_wait():
     prof = load_script("profiling")
-    s = prof.profile_summary([("gemm", 64, 640.0)], wall_s=1.0, steps=64, launches={"graph": 64, "kernel": 192})
+    calls = [
+        ("cudaGraphLaunch", 64, 640.0),
+        ("cudaLaunchKernel", 128, 256.0),
+        ("cuLaunchKernelEx", 64, 64.0),
+        ("cudaStreamSynchronize", 64, 64000.0),
+        ("cudaMemcpyAsync", 64, 128.0),
+    ]
+    s = prof.profile_summary([("gemm", 64, 640.0)], wall_s=1.0, steps=64, host_calls=calls, top_host=2)
     assert s["launches_per_step"] == {"graph": 1.0, "kernel": 3.0}
-    assert prof.profile_summary([("g", 1, 1.0)], wall_s=1.0, steps=2, launches={})["launches_per_step"] == {
-        "graph": 0.0,
-        "kernel": 0.0,
-    }
+    assert s["top_host_calls"] == [
+        {"name": "cudaStreamSynchronize", "calls_per_step": 1.0, "host_us_per_step": 1000.0},
+        {"name": "cudaGraphLaunch", "calls_per_step": 1.0, "host_us_per_step": 10.0},
+    ]
+    empty = prof.profile_summary([("g", 1, 1.0)], wall_s=1.0, steps=2, host_calls=[])
+    assert empty["launches_per_step"] == {"graph": 0.0, "kernel": 0.0} and empty["top_host_calls"] == []
+    for name in ("cudaStreamSynchronize", "cuLaunchKernel", "cudaGraphLaunch_v10000"):
+        assert prof.RUNTIME_CALL.match(name), name
+    for name in ("aten::mm", "cutlass::gemm", "custom_op", "execute_context_0(0)_generation_256(256)"):
+        assert not prof.RUNTIME_CALL.match(name), name
     graph = ("cudaGraphLaunch", "cudaGraphLaunch_v10000", "cuGraphLaunch")
     kernel = ("cudaLaunchKernel", "cudaLaunchKernelExC_v11060", "cuLaunchKernel", "cuLaunchKernelEx")
     assert {prof.launch_kind(n) for n in graph} == {"graph"} and {prof.launch_kind(n) for n in kernel} == {"kernel"}
