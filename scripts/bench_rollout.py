@@ -186,8 +186,10 @@ def _profile_worker(engine, generate, tokens: int, trace_dir: Path) -> dict:
     rank0 = [t for t in traces if t.name.split(".", 1)[0].split("_")[-1] == "rank0"]
     if not rank0:
         raise RuntimeError(f"vLLM's profiler wrote no rank-0 trace into {trace_dir} (new: {[t.name for t in traces]})")
-    kernels, host_calls = read_trace(rank0[0])
-    summary = profile_summary(kernels, wall_s=wall, steps=tokens, host_calls=host_calls)
+    trace = read_trace(rank0[0])
+    summary = profile_summary(
+        trace.kernels, wall_s=wall, steps=tokens, host_calls=trace.host_calls, host_busy_us=trace.host_busy_us
+    )
     return {"profiled_in": "vLLM worker (vLLM's profiler)", **summary}
 
 
@@ -455,7 +457,9 @@ def _table(result: dict) -> str:
         )
         if pr.get("top_host_calls"):
             calls = ", ".join(f"{c['name']} {c['host_us_per_step'] / 1e3:.2f}" for c in pr["top_host_calls"][:3])
-            lines.append(f"  host CUDA calls, ms/step: {calls}")
+            busy = pr.get("host_busy_ms_per_step")
+            busy = f"; busiest host thread active {busy:.2f} ms/step" if busy is not None else ""
+            lines.append(f"  host CUDA calls, ms/step: {calls}{busy}")
     for mode, hp in result.get("host_profile", {}).items():
         head = ", ".join(f"{f['function'][:48]} {f['share']:.0%}" for f in hp["top_functions"][:4])
         lines.append(

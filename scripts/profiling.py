@@ -8,6 +8,7 @@ import re
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 __all__ = [
     "profile_summary",
@@ -17,12 +18,17 @@ __all__ = [
     "launch_kind",
     "DEVICE_EVENT_CATEGORIES",
     "HOST_CALL_CATEGORIES",
+    "HOST_ACTIVITY_CATEGORIES",
+    "Trace",
 ]
 
 DEVICE_EVENT_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 """Chrome-trace categories of device activity (what `profile_cuda` counts as device time)."""
 HOST_CALL_CATEGORIES = ("cuda_runtime", "cuda_driver")
 """Chrome-trace categories of the host's CUDA runtime / driver calls (launches, copies, synchronizations)."""
+HOST_ACTIVITY_CATEGORIES = ("cpu_op", "user_annotation", "python_function", *HOST_CALL_CATEGORIES)
+"""Chrome-trace categories of host work (the profiler's own whole-window ``Trace`` span and the GPU timeline's
+annotations are not)."""
 RUNTIME_CALL = re.compile(r"cu(da)?[A-Z]")
 """A CUDA runtime / driver call's name in torch.profiler's key averages (``cudaStreamSynchronize``,
 ``cuLaunchKernelEx``), as against ``aten::`` ops and kernels."""
@@ -50,6 +56,7 @@ def profile_summary(
     top: int = 15,
     host_calls: list[tuple[str, int, float]] | None = None,
     top_host: int = 6,
+    host_busy_us: float | None = None,
 ) -> dict:
     """Where a step's time goes, from ``(kernel name, calls, GPU microseconds)`` of a profiled run of `steps`
     steps (e.g. output tokens of a generate) that took `wall_s`: wall and GPU-busy ms per step (their gap is
@@ -59,7 +66,7 @@ def profile_summary(
     CUDA graph, none (every kernel launched by itself) where it runs eagerly) and ``top_host_calls``, the calls
     the host spent the most time in: a synchronization that waits out most of a step while the process's own
     kernels are short says the GPU (or the copy it waits for) was held up elsewhere, a launch call that does
-    says the host is slow to issue."""
+    says the host is slow to issue. `host_busy_us` (`Trace.host_busy_us`) adds ``host_busy_ms_per_step``."""
     if steps < 1 or wall_s <= 0:
         raise ValueError(f"profile_summary: steps={steps}, wall_s={wall_s} must be positive")
     busy_us = sum(us for _, _, us in kernels)
@@ -85,6 +92,8 @@ def profile_summary(
             {"name": n, "calls_per_step": c / steps, "host_us_per_step": us / steps}
             for n, c, us in sorted(host_calls, key=lambda h: -h[2])[:top_host]
         ]
+    if host_busy_us is not None:
+        out["host_busy_ms_per_step"] = host_busy_us / 1e3 / steps
     return out
 
 
@@ -110,12 +119,33 @@ def profile_cuda(fn: Callable[[], object], *, steps: int, top: int = 15) -> dict
     return profile_summary(kernels, wall_s=wall, steps=steps, top=top, host_calls=host_calls)
 
 
-def read_trace(path: str | Path) -> tuple[list[tuple[str, int, float]], list[tuple[str, int, float]]]:
-    """What `profile_summary` takes, from one read of a torch.profiler Chrome trace (``.json`` or ``.json.gz``,
-    as ``tensorboard_trace_handler`` writes it; e.g. a vLLM worker's, profiled by vLLM's own profiler):
-    ``(name, calls, device microseconds)`` per kernel / memcpy / memset, and ``(name, calls, host
-    microseconds)`` per CUDA runtime / driver call (`HOST_CALL_CATEGORIES`). A trace without device events is
-    refused: it was recorded without CUDA activity."""
+class Trace(NamedTuple):
+    """What `read_trace` reads from a Chrome trace, in `profile_summary`'s terms."""
+
+    kernels: list[tuple[str, int, float]]
+    """``(name, calls, device microseconds)`` per kernel / memcpy / memset."""
+    host_calls: list[tuple[str, int, float]]
+    """``(name, calls, host microseconds)`` per CUDA runtime / driver call (`HOST_CALL_CATEGORIES`)."""
+    host_busy_us: float
+    """Microseconds the busiest host thread spent inside any recorded host event (`HOST_ACTIVITY_CATEGORIES`,
+    nested events counted once): where it is far below the wall time, the process sat idle, waiting for work
+    from elsewhere (a vLLM worker for its engine core's next step)."""
+
+
+def _union_us(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def read_trace(path: str | Path) -> Trace:
+    """What `profile_summary` takes (`Trace`), from one read of a torch.profiler Chrome trace (``.json`` or
+    ``.json.gz``, as ``tensorboard_trace_handler`` writes it; e.g. a vLLM worker's, profiled by vLLM's own
+    profiler). A trace without device events is refused: it was recorded without CUDA activity."""
     import gzip
     import json
 
@@ -127,10 +157,14 @@ def read_trace(path: str | Path) -> tuple[list[tuple[str, int, float]], list[tup
         raise ValueError(f"{path}: no traceEvents list; not a torch.profiler Chrome trace")
     device: dict[str, list[float]] = {}
     host: dict[str, list[float]] = {}
+    threads: dict[tuple, list[tuple[float, float]]] = {}
     for e in events:
         if e.get("ph") != "X":
             continue
         cat = e.get("cat")
+        if cat in HOST_ACTIVITY_CATEGORIES:
+            ts = float(e["ts"])
+            threads.setdefault((e.get("pid"), e.get("tid")), []).append((ts, ts + float(e["dur"])))
         per = device if cat in DEVICE_EVENT_CATEGORIES else host if cat in HOST_CALL_CATEGORIES else None
         if per is not None:
             calls_us = per.setdefault(str(e["name"]), [0, 0.0])
@@ -138,9 +172,11 @@ def read_trace(path: str | Path) -> tuple[list[tuple[str, int, float]], list[tup
             calls_us[1] += float(e["dur"])
     if not device:
         raise ValueError(f"{path}: no {'/'.join(DEVICE_EVENT_CATEGORIES)} events (recorded without CUDA activity?)")
-    return [(name, int(c), us) for name, (c, us) in device.items()], [
-        (name, int(c), us) for name, (c, us) in host.items()
-    ]
+    return Trace(
+        kernels=[(name, int(c), us) for name, (c, us) in device.items()],
+        host_calls=[(name, int(c), us) for name, (c, us) in host.items()],
+        host_busy_us=max((_union_us(spans) for spans in threads.values()), default=0.0),
+    )
 
 
 def profile_host(fn: Callable[[], object], *, steps: int, top: int = 20) -> dict:

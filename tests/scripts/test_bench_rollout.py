@@ -150,6 +150,10 @@ KERNELS = [
     {"ph": "X", "cat": "cuda_runtime", "name": "cudaGraphLaunch_v10000", "ts": 12, "dur": 5.0},
     {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": 18, "dur": 5.0},
     {"ph": "i", "cat": "kernel", "name": "marker", "ts": 70},  # not a duration event
+    {"ph": "X", "cat": "Trace", "name": "PyTorch Profiler (0)", "ts": 0, "dur": 1e6},  # the window: not host work
+    {"ph": "X", "cat": "gpu_user_annotation", "name": "execute_context_0(0)", "ts": 0, "dur": 9e5},  # GPU side
+    {"ph": "X", "cat": "python_function", "name": "step", "tid": 2, "ts": 1000, "dur": 100.0},  # another thread:
+    {"ph": "X", "cat": "user_annotation", "name": "sample", "tid": 2, "ts": 1050, "dur": 100.0},  # 150 us active
 ]
 
 
@@ -157,16 +161,17 @@ def test_read_trace_sums_device_time_and_counts_launches_of_a_chrome_trace(bench
     from profiling import profile_summary, read_trace
 
     for name in ("rank0.1.pt.trace.json.gz", "rank0.2.pt.trace.json"):
-        kernels, host_calls = read_trace(_chrome_trace(tmp_path / name, KERNELS))
-        got = sorted(kernels)
+        trace = read_trace(_chrome_trace(tmp_path / name, KERNELS))
+        got = sorted(trace.kernels)
         assert got == [("Memcpy DtoH", 1, 2.0), ("gemm", 2, 40.0)]
-        assert sorted(host_calls) == [
+        assert trace.host_busy_us == 500.0  # aten::mm spans the thread's runtime calls: counted once
+        assert sorted(trace.host_calls) == [
             ("cuLaunchKernelEx", 1, 5.0),
             ("cudaGraphLaunch_v10000", 1, 5.0),
             ("cudaLaunchKernel", 1, 5.0),
             ("cudaMemcpyAsync", 1, 5.0),
         ]
-        assert profile_summary(got, wall_s=0.001, steps=1, host_calls=host_calls)["launches_per_step"] == {
+        assert profile_summary(got, wall_s=0.001, steps=1, host_calls=trace.host_calls)["launches_per_step"] == {
             "graph": 1.0,
             "kernel": 2.0,
         }
@@ -206,6 +211,7 @@ def test_profile_worker_times_the_generate_and_reads_rank_0s_new_trace(bench, tm
     assert calls == [("generate", 4, 8, 2), "start", ("generate", 4, 8, 2), "stop"]
     assert out["batch"] == 4 and out["steps"] == 2 and out["gpu_busy_ms_per_step"] == pytest.approx(0.021)
     assert out["launches_per_step"] == {"graph": 0.5, "kernel": 1.0}
+    assert out["host_busy_ms_per_step"] == pytest.approx(0.25)  # the busiest thread's 500 us over 2 steps
     assert {k["name"] for k in out["top_kernels"]} == {"gemm", "Memcpy DtoH"}
     FakeLLM.stop_profile = lambda self: None  # noqa: ARG005 - a profiler that wrote nothing
     with pytest.raises(RuntimeError, match=r"wrote no rank-0 trace .* \(new: \[\]\)"):

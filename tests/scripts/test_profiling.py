@@ -70,3 +70,11 @@ def test_profile_host_names_the_function_that_spends_the_host_time():
     assert "test_profiling.py:" in busy_row["function"]
     with pytest.raises(ValueError, match="steps=0"):
         prof.profile_host(step_loop, steps=0)
+
+
+def test_host_busy_time_counts_nested_and_overlapping_events_once():
+    prof = load_script("profiling")
+    assert prof._union_us([(20.0, 30.0), (0.0, 10.0), (5.0, 15.0), (6.0, 7.0)]) == 25.0
+    assert prof._union_us([]) == 0.0
+    s = prof.profile_summary([("g", 4, 4.0)], wall_s=0.004, steps=4, host_busy_us=1000.0)
+    assert s["host_busy_ms_per_step"] == 0.25 and s["wall_ms_per_step"] == 1.0
