@@ -188,7 +188,12 @@ def _profile_worker(engine, generate, tokens: int, trace_dir: Path) -> dict:
         raise RuntimeError(f"vLLM's profiler wrote no rank-0 trace into {trace_dir} (new: {[t.name for t in traces]})")
     trace = read_trace(rank0[0])
     summary = profile_summary(
-        trace.kernels, wall_s=wall, steps=tokens, host_calls=trace.host_calls, host_busy_us=trace.host_busy_us
+        trace.kernels,
+        wall_s=wall,
+        steps=tokens,
+        host_calls=trace.host_calls,
+        host_busy_us=trace.host_busy_us,
+        host_self=trace.host_self,
     )
     return {"profiled_in": "vLLM worker (vLLM's profiler)", **summary}
 
@@ -228,7 +233,7 @@ def _run_mode(args, mode, recipe, rollout, path, vocab, shapes, result) -> None:
     trace_dir = None
     if args.profile and _out_of_process(args):  # vLLM's profiler records the model's process
         trace_dir = Path(tempfile.mkdtemp(prefix=f"jetrl-trace-{mode}-"))
-        kw["profiler_config"] = worker_profiler_config(trace_dir)
+        kw["profiler_config"] = worker_profiler_config(trace_dir, python=args.profile_python)
     try:
         engine = create_engine(
             path,
@@ -251,10 +256,11 @@ def _run_mode(args, mode, recipe, rollout, path, vocab, shapes, result) -> None:
             shutil.rmtree(trace_dir, ignore_errors=True)
 
 
-def worker_profiler_config(trace_dir: Path) -> dict:
+def worker_profiler_config(trace_dir: Path, python: bool = False) -> dict:
     """vLLM's ``profiler_config`` for `_profile_worker`: torch.profiler in the model's processes, traces into
-    `trace_dir`, no Python stacks."""
-    return {"profiler": "torch", "torch_profiler_dir": str(trace_dir), "torch_profiler_with_stack": False}
+    `trace_dir`; with `python` also their Python calls (``with_stack``: the trace's ``python_function`` events,
+    whose self times `profiling.read_trace` sums; the tracing slows the host, so the profiled wall time grows)."""
+    return {"profiler": "torch", "torch_profiler_dir": str(trace_dir), "torch_profiler_with_stack": python}
 
 
 def _out_of_process(args) -> bool:
@@ -460,6 +466,9 @@ def _table(result: dict) -> str:
             busy = pr.get("host_busy_ms_per_step")
             busy = f"; busiest host thread active {busy:.2f} ms/step" if busy is not None else ""
             lines.append(f"  host CUDA calls, ms/step: {calls}{busy}")
+        if pr.get("top_host_self"):
+            calls = ", ".join(f"{c['name'][:60]} {c['self_us_per_step'] / 1e3:.2f}" for c in pr["top_host_self"][:4])
+            lines.append(f"  host self time, ms/step: {calls}")
     for mode, hp in result.get("host_profile", {}).items():
         head = ", ".join(f"{f['function'][:48]} {f['share']:.0%}" for f in hp["top_functions"][:4])
         lines.append(
@@ -509,6 +518,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true", help="profile one generate per mode at the last shape (GPU)")
     p.add_argument("--profile-tokens", type=int, default=64, help="output tokens of the profiled generate")
     p.add_argument(
+        "--profile-python",
+        action="store_true",
+        help="with --profile of a model in another process: record its Python calls too (the worker's functions "
+        "by self time, e.g. waiting on vLLM's message queue; slows the profiled generate)",
+    )
+    p.add_argument(
         "--host-profile",
         action="store_true",
         help="one more generate at the last shape under cProfile: the Python functions spending host time",
@@ -547,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--profile and --layers are for the GPU's Llama-3.1-8B shape, not --tiny")
     if not 1 <= args.layers <= 32:
         p.error(f"--layers {args.layers}: the Llama-3.1-8B shape has 1 to 32 decoder layers")
+    if args.profile_python and not (args.profile and (args.multiprocess or args.executor != "uni")):
+        p.error("--profile-python is for --profile with --executor mp or --multiprocess (vLLM's profiler)")
     if args.profile_tokens < 1:
         p.error(f"--profile-tokens {args.profile_tokens} must be >= 1")
     if args.backend is None:

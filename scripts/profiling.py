@@ -57,6 +57,7 @@ def profile_summary(
     host_calls: list[tuple[str, int, float]] | None = None,
     top_host: int = 6,
     host_busy_us: float | None = None,
+    host_self: list[tuple[str, int, float]] | None = None,
 ) -> dict:
     """Where a step's time goes, from ``(kernel name, calls, GPU microseconds)`` of a profiled run of `steps`
     steps (e.g. output tokens of a generate) that took `wall_s`: wall and GPU-busy ms per step (their gap is
@@ -66,7 +67,8 @@ def profile_summary(
     CUDA graph, none (every kernel launched by itself) where it runs eagerly) and ``top_host_calls``, the calls
     the host spent the most time in: a synchronization that waits out most of a step while the process's own
     kernels are short says the GPU (or the copy it waits for) was held up elsewhere, a launch call that does
-    says the host is slow to issue. `host_busy_us` (`Trace.host_busy_us`) adds ``host_busy_ms_per_step``."""
+    says the host is slow to issue. `host_busy_us` and `host_self` (`Trace`) add
+    ``host_busy_ms_per_step`` and ``top_host_self``, the busiest host thread's events by self time."""
     if steps < 1 or wall_s <= 0:
         raise ValueError(f"profile_summary: steps={steps}, wall_s={wall_s} must be positive")
     busy_us = sum(us for _, _, us in kernels)
@@ -94,6 +96,11 @@ def profile_summary(
         ]
     if host_busy_us is not None:
         out["host_busy_ms_per_step"] = host_busy_us / 1e3 / steps
+    if host_self is not None:
+        out["top_host_self"] = [
+            {"name": n, "calls_per_step": c / steps, "self_us_per_step": us / steps}
+            for n, c, us in sorted(host_self, key=lambda h: -h[2])[:top]
+        ]
     return out
 
 
@@ -128,8 +135,12 @@ class Trace(NamedTuple):
     """``(name, calls, host microseconds)`` per CUDA runtime / driver call (`HOST_CALL_CATEGORIES`)."""
     host_busy_us: float
     """Microseconds the busiest host thread spent inside any recorded host event (`HOST_ACTIVITY_CATEGORIES`,
-    nested events counted once): where it is far below the wall time, the process sat idle, waiting for work
-    from elsewhere (a vLLM worker for its engine core's next step)."""
+    nested events counted once). Without Python stacks in the trace only torch ops and CUDA calls are events,
+    so the rest is Python work or idling; with them (``with_stack``) the rest is time outside Python."""
+    host_self: list[tuple[str, int, float]]
+    """``(name, calls, self microseconds)`` per host event of that thread, self time being its span less its
+    nested events': with Python stacks, the functions the thread spent its time in (e.g. vLLM's message-queue
+    read when a worker waits for its engine core's next step)."""
 
 
 def _union_us(spans: list[tuple[float, float]]) -> float:
@@ -140,6 +151,29 @@ def _union_us(spans: list[tuple[float, float]]) -> float:
             total += end - max(start, reach)
             reach = end
     return total
+
+
+def _self_us(spans: list[tuple[float, float, str]]) -> dict[str, list[float]]:
+    """``name -> [calls, self microseconds]`` of one thread's ``(start, end, name)`` events: each event's span
+    less the parts its nested events cover (an event reaching past its parent's end is clipped to it)."""
+    out: dict[str, list[float]] = {}
+    stack: list[list] = []  # [end, name, self]
+
+    def close(item: list) -> None:
+        calls_us = out.setdefault(item[1], [0, 0.0])
+        calls_us[0] += 1
+        calls_us[1] += item[2]
+
+    for start, end, name in sorted(spans, key=lambda sp: (sp[0], -sp[1])):
+        while stack and stack[-1][0] <= start:
+            close(stack.pop())
+        if stack:
+            end = min(end, stack[-1][0])
+            stack[-1][2] -= end - start
+        stack.append([end, name, end - start])
+    while stack:
+        close(stack.pop())
+    return out
 
 
 def read_trace(path: str | Path) -> Trace:
@@ -157,14 +191,14 @@ def read_trace(path: str | Path) -> Trace:
         raise ValueError(f"{path}: no traceEvents list; not a torch.profiler Chrome trace")
     device: dict[str, list[float]] = {}
     host: dict[str, list[float]] = {}
-    threads: dict[tuple, list[tuple[float, float]]] = {}
+    threads: dict[tuple, list[tuple[float, float, str]]] = {}
     for e in events:
         if e.get("ph") != "X":
             continue
         cat = e.get("cat")
         if cat in HOST_ACTIVITY_CATEGORIES:
             ts = float(e["ts"])
-            threads.setdefault((e.get("pid"), e.get("tid")), []).append((ts, ts + float(e["dur"])))
+            threads.setdefault((e.get("pid"), e.get("tid")), []).append((ts, ts + float(e["dur"]), str(e["name"])))
         per = device if cat in DEVICE_EVENT_CATEGORIES else host if cat in HOST_CALL_CATEGORIES else None
         if per is not None:
             calls_us = per.setdefault(str(e["name"]), [0, 0.0])
@@ -172,10 +206,12 @@ def read_trace(path: str | Path) -> Trace:
             calls_us[1] += float(e["dur"])
     if not device:
         raise ValueError(f"{path}: no {'/'.join(DEVICE_EVENT_CATEGORIES)} events (recorded without CUDA activity?)")
+    busy, spans = max(((_union_us([sp[:2] for sp in t]), t) for t in threads.values()), default=(0.0, []))
     return Trace(
         kernels=[(name, int(c), us) for name, (c, us) in device.items()],
         host_calls=[(name, int(c), us) for name, (c, us) in host.items()],
-        host_busy_us=max((_union_us(spans) for spans in threads.values()), default=0.0),
+        host_busy_us=busy,
+        host_self=[(name, int(c), us) for name, (c, us) in _self_us(spans).items()],
     )
 
 

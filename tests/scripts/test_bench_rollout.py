@@ -68,6 +68,8 @@ def test_shapes_layers_and_profile_options(bench, monkeypatch, capsys):
         (["--multiprocess", "--sync-modes", "jetrl_fp8"], "no --host-profile or --sync-modes"),
         (["--executor", "mp", "--host-profile"], "--executor mp run the model in another process"),
         (["--executor", "mp", "--sync-modes", "jetrl_fp8"], "no --host-profile or --sync-modes"),
+        (["--executor", "mp", "--profile-python"], "--profile-python is for --profile with --executor mp"),
+        (["--profile", "--profile-python"], "--profile-python is for --profile with --executor mp"),
     ):
         with pytest.raises(SystemExit):
             bench.main(argv)
@@ -114,7 +116,7 @@ def _engine_kwargs(bench, monkeypatch, tmp_path, **options) -> dict:
     monkeypatch.setattr("jetrl.rollout.adapter.create_engine", fake_create_engine)
     args = bench.argparse.Namespace(tiny=False, gpu_memory_utilization=0.4, enforce_eager=True, capture_sizes=[],
                                     max_model_len=64, backend="auto", multiprocess=False, executor="uni",
-                                    profile=False)  # fmt: skip
+                                    profile=False, profile_python=False)  # fmt: skip
     vars(args).update(options)
     with pytest.raises(Started):
         bench._run_mode(args, "bf16", None, "jetrl", tmp_path, 0, [], {})
@@ -131,7 +133,9 @@ def test_engine_layouts_reach_create_engine(bench, monkeypatch, tmp_path):
     # --profile: vLLM's profiler writes the worker's trace into a fresh folder, removed when the mode ends
     cfg = _engine_kwargs(bench, monkeypatch, tmp_path, executor="mp", profile=True)["profiler_config"]
     assert cfg["profiler"] == "torch" and "jetrl-trace-bf16-" in cfg["torch_profiler_dir"]
-    assert not Path(cfg["torch_profiler_dir"]).exists()
+    assert not Path(cfg["torch_profiler_dir"]).exists() and cfg["torch_profiler_with_stack"] is False
+    cfg = _engine_kwargs(bench, monkeypatch, tmp_path, executor="mp", profile=True, profile_python=True)
+    assert cfg["profiler_config"]["torch_profiler_with_stack"] is True
 
 
 def _chrome_trace(path: Path, events: list[dict]) -> Path:
@@ -165,6 +169,13 @@ def test_read_trace_sums_device_time_and_counts_launches_of_a_chrome_trace(bench
         got = sorted(trace.kernels)
         assert got == [("Memcpy DtoH", 1, 2.0), ("gemm", 2, 40.0)]
         assert trace.host_busy_us == 500.0  # aten::mm spans the thread's runtime calls: counted once
+        assert sorted(trace.host_self) == [  # the busiest thread's: aten::mm less its four nested calls
+            ("aten::mm", 1, 480.0),
+            ("cuLaunchKernelEx", 1, 5.0),
+            ("cudaGraphLaunch_v10000", 1, 5.0),
+            ("cudaLaunchKernel", 1, 5.0),
+            ("cudaMemcpyAsync", 1, 5.0),
+        ]
         assert sorted(trace.host_calls) == [
             ("cuLaunchKernelEx", 1, 5.0),
             ("cudaGraphLaunch_v10000", 1, 5.0),

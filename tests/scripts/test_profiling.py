@@ -78,3 +78,12 @@ def test_host_busy_time_counts_nested_and_overlapping_events_once():
     assert prof._union_us([]) == 0.0
     s = prof.profile_summary([("g", 4, 4.0)], wall_s=0.004, steps=4, host_busy_us=1000.0)
     assert s["host_busy_ms_per_step"] == 0.25 and s["wall_ms_per_step"] == 1.0
+
+
+def test_self_time_is_an_events_span_less_its_nested_events():
+    prof = load_script("profiling")
+    spans = [(0.0, 100.0, "a"), (10.0, 30.0, "b"), (20.0, 25.0, "c"), (90.0, 120.0, "d"), (200.0, 210.0, "b")]
+    # b and c nest in a, c in b; d outlives a and is clipped to a's end; the second b is a root of its own
+    assert prof._self_us(spans) == {"a": [1, 70.0], "b": [2, 25.0], "c": [1, 5.0], "d": [1, 10.0]}
+    s = prof.profile_summary([("g", 1, 1.0)], wall_s=0.001, steps=2, host_self=[("a", 2, 70.0), ("b", 4, 25.0)], top=1)
+    assert s["top_host_self"] == [{"name": "a", "calls_per_step": 1.0, "self_us_per_step": 35.0}]
