@@ -66,8 +66,8 @@ def profile_summary(
     ``launches_per_step`` (calls per `launch_kind`: about one graph replay a step where a decode step replays a
     CUDA graph, none (every kernel launched by itself) where it runs eagerly) and ``top_host_calls``, the calls
     the host spent the most time in: a synchronization that waits out most of a step while the process's own
-    kernels are short says the GPU (or the copy it waits for) was held up elsewhere, a launch call that does
-    says the host is slow to issue. `host_busy_us` and `host_self` (`Trace`) add
+    kernels are short says the GPU (or the copy it waits for) was held up elsewhere; launch calls taking most
+    of it say the host is slow to issue. `host_busy_us` and `host_self` (`Trace`) add
     ``host_busy_ms_per_step`` and ``top_host_self``, the busiest host thread's events by self time."""
     if steps < 1 or wall_s <= 0:
         raise ValueError(f"profile_summary: steps={steps}, wall_s={wall_s} must be positive")
