@@ -99,6 +99,8 @@ class GemmBackend:
     """Device type of the operands this backend runs on ("cpu" or "cuda"); emulated runs on any."""
     needs_block_multiples: bool = False
     """The kernels take only in/out features that are multiples of 128 (K of fprop and of dgrad)."""
+    compiles_per_shape: bool = False
+    """The kernels are compiled at the first call of each shape (`warm_up` compiles them ahead)."""
 
     def __repr__(self) -> str:
         return f"<jetrl GEMM backend {self.name!r}>"
@@ -139,6 +141,13 @@ class GemmBackend:
         if out.data_ptr() != acc.data_ptr():
             acc.copy_(out)
         return acc
+
+    def warm_up(self, n: int, k: int, max_rows: int, device: torch.device | str) -> int:
+        """Compile now whatever an fprop ``[m, k] x [n, k]^T`` for any ``m <= max_rows`` would compile at its first
+        call (a rollout engine calls this at load, before it serves: a compile in the middle of a decode stalls
+        it); returns the number of GEMMs run. Backends that compile nothing per shape (`compiles_per_shape` False)
+        run none."""
+        return 0
 
     def _gemm(self, a, a_s, b, b_s, *, role, out_dtype, c):  # pragma: no cover - abstract
         raise NotImplementedError

@@ -21,8 +21,20 @@ import shutil
 import torch
 
 from jetrl.gemm.base import BackendUnavailableError, GemmBackend, empty_result, pad_k, to_scale_layout
+from jetrl.quant import FP8_DTYPE, ceil_div
+from jetrl.recipe import BLOCK
 
 _MODULES = ("deep_gemm", "vllm.third_party.deep_gemm")
+
+
+def warmup_rows(max_rows: int) -> list[int]:
+    """The row counts `DeepGemmBackend.warm_up` runs: every ``m <= 16`` and both ends of every 16-row interval
+    (``m % 16`` in 0, 1) up to `max_rows`, and `max_rows`. DeepGEMM picks its kernel (block sizes, multicast,
+    stages) per call from ``m`` and JIT-compiles each new pick; its block sizes are multiples of 16, so a pick
+    can change inside a 16-row interval only at a threshold, and one sample on each side of it sees both."""
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+        raise ValueError(f"deepgemm warm-up: max_rows must be a positive int, got {max_rows!r}")
+    return [m for m in range(1, max_rows + 1) if m <= 16 or m % 16 in (0, 1) or m == max_rows]
 
 
 def import_deep_gemm():
@@ -44,6 +56,7 @@ def import_deep_gemm():
 class DeepGemmBackend(GemmBackend):
     name = "deepgemm"
     needs_block_multiples = True
+    compiles_per_shape = True
     scale_layout = "deepgemm"
     device_type = "cuda"
 
@@ -90,6 +103,21 @@ class DeepGemmBackend(GemmBackend):
         # Shapes: [M, K] @ [N, K]^T -> [M, N]
         self.dg.fp8_gemm_nt((a, sa), (b, b_s.contiguous()), d, c=c)
         return d if d.dtype == out_dtype else d.to(out_dtype)
+
+    def warm_up(self, n: int, k: int, max_rows: int, device: torch.device | str) -> int:
+        """Run the fprop GEMM on zeros at every `warmup_rows` count, so DeepGEMM JIT-compiles every kernel an
+        ``m <= max_rows`` can pick now, not in the middle of a decode (measured in vLLM's worker on the H100 and
+        the H200: CUDA-graph capture took ~15 s per batch size and decode stalled at new prefill sizes).
+        DeepGEMM caches what it compiled, in the process and on disk (``DG_JIT_CACHE_DIR``)."""
+        rows = warmup_rows(max_rows)
+        a = torch.zeros((max_rows, k), dtype=FP8_DTYPE, device=device)
+        a_s = torch.ones((max_rows, ceil_div(k, BLOCK)), dtype=torch.float32, device=device)
+        b = torch.zeros((n, k), dtype=FP8_DTYPE, device=device)
+        b_s = torch.ones((ceil_div(n, BLOCK), ceil_div(k, BLOCK)), dtype=torch.float32, device=device)
+        for m in rows:
+            self.gemm(a[:m], a_s[:m], b, b_s, role="fprop", out_dtype=torch.bfloat16)
+        torch.cuda.synchronize(device)
+        return len(rows)
 
     def gemm_accumulate_(self, a, a_s, b, b_s, acc):
         self._validate(a, a_s, b, b_s, "wgrad", acc)

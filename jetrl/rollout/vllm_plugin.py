@@ -34,7 +34,9 @@ and `jetrl.rollout.adapter` are the only ones importing vLLM.
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from typing import Any
 
 import torch
@@ -61,6 +63,8 @@ from jetrl.rollout.methods import (
     naive_quantize_weight,
     set_row_mask_provider,
 )
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "register",
@@ -287,6 +291,7 @@ class JetFP8LinearMethod(_JetLinearBase):
                     "loading (missing from the checkpoint?)"
                 )
         layer._jetrl_processed = True
+        _warm_up_gemm(self.cfg.backend, layer.weight, self.prefix)
 
     def apply(self, layer: torch.nn.Module, x, bias: torch.Tensor | None = None) -> torch.Tensor:
         name = f"{self.prefix}:input"
@@ -335,6 +340,46 @@ class JetFP8NaiveLinearMethod(_JetLinearBase):
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         spec = self.recipe.rollout_activation
         return naive_forward(x, layer.weight, layer.weight_scale, bias, act_spec=spec, name=f"{self.prefix}:input")
+
+
+_WARMED: set[tuple] = set()
+"""``(backend, n, k, max_rows, device)`` of the GEMM warm-ups this process ran (one per Linear shape)."""
+
+
+def _warm_up_gemm(backend_name: str, weight: torch.Tensor, prefix: str) -> None:
+    """At load, compile every GEMM kernel this Linear's shape can pick for up to vLLM's
+    ``max_num_batched_tokens`` rows (`GemmBackend.warm_up`), as vLLM warms DeepGEMM up for its own FP8
+    Linears (``VLLM_DEEP_GEMM_WARMUP``; its ``skip`` skips this one too). Without it DeepGEMM compiles at each
+    new row count's first call: in vLLM's worker on the H100 the jetrl-unified engine spent ~15 s capturing
+    each CUDA-graph batch size (BF16: under 1 s in all) and its decode stalled between runs."""
+    from jetrl.gemm import get_backend
+
+    backend = get_backend(backend_name)
+    if not backend.compiles_per_shape:
+        return
+    import vllm.envs as envs
+    from vllm.config import get_current_vllm_config_or_none
+
+    if envs.VLLM_DEEP_GEMM_WARMUP == "skip":
+        return
+    cfg = get_current_vllm_config_or_none()
+    if cfg is None:
+        raise RuntimeError(
+            f"jetrl_fp8: {prefix} was processed outside vLLM's model loading (no current vLLM config), so the "
+            f"{backend.name} warm-up has no max_num_batched_tokens to cover; set VLLM_DEEP_GEMM_WARMUP=skip to "
+            "compile at first use instead"
+        )
+    n, k = weight.shape
+    key = (backend.name, n, k, cfg.scheduler_config.max_num_batched_tokens, str(weight.device))
+    if key in _WARMED:
+        return
+    t0 = time.perf_counter()
+    runs = backend.warm_up(n, k, key[3], weight.device)
+    _WARMED.add(key)
+    logger.info(
+        "jetrl_fp8: %s warm-up of [m, %d] x [%d, %d]^T for m <= %d (%s): %d GEMMs in %.1f s",
+        backend.name, k, n, k, key[3], prefix, runs, time.perf_counter() - t0,
+    )  # fmt: skip
 
 
 def _real_token_rows(n_rows: int) -> torch.Tensor | None:

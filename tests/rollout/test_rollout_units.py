@@ -283,3 +283,43 @@ def test_the_plugin_asks_for_amx_permission_where_the_cpu_has_amx(monkeypatch, h
     else:
         vllm_plugin.register()
     assert asked == ([1] if has_amx else [])
+
+
+def test_the_plugin_warms_a_compiling_gemm_backend_up_once_per_linear_shape(monkeypatch):
+    """`_warm_up_gemm` (called by jetrl_fp8's process_weights_after_loading): a backend that compiles per shape
+    is warmed up to vLLM's max_num_batched_tokens once per (n, k) in the process; VLLM_DEEP_GEMM_WARMUP=skip
+    skips it; without vLLM's current config it refuses with the layer's name; other backends need nothing."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    import vllm.config
+
+    from jetrl.gemm.base import GemmBackend
+    from jetrl.rollout import vllm_plugin
+
+    class Compiling(GemmBackend):
+        name = "jit-test"
+        compiles_per_shape = True
+
+        def __init__(self):
+            self.calls = []
+
+        def warm_up(self, n, k, max_rows, device):
+            self.calls.append((n, k, max_rows, str(device)))
+            return 1
+
+    be, cfg = Compiling(), None
+    monkeypatch.setattr(vllm_plugin, "_WARMED", set())
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda: cfg)
+    monkeypatch.delenv("VLLM_DEEP_GEMM_WARMUP", raising=False)
+    w, w2 = torch.empty(256, 128), torch.empty(384, 128)
+    vllm_plugin._warm_up_gemm("emulated", w, "layers.0.qkv_proj")  # compiles nothing: no config needed
+    with pytest.raises(RuntimeError, match=r"layers\.0\.qkv_proj was processed outside vLLM's model loading"):
+        vllm_plugin._warm_up_gemm(be, w, "layers.0.qkv_proj")
+    cfg = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=512))
+    for prefix, weight in (("layers.0.qkv_proj", w), ("layers.1.qkv_proj", w), ("layers.0.o_proj", w2)):
+        vllm_plugin._warm_up_gemm(be, weight, prefix)
+    assert be.calls == [(256, 128, 512, "cpu"), (384, 128, 512, "cpu")]
+    monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", "skip")
+    vllm_plugin._warm_up_gemm(be, torch.empty(512, 128), "layers.0.gate_up_proj")
+    assert len(be.calls) == 2
