@@ -350,8 +350,8 @@ def _warm_up_gemm(backend_name: str, weight: torch.Tensor, prefix: str) -> None:
     """At load, compile every GEMM kernel this Linear's shape can pick for up to vLLM's
     ``max_num_batched_tokens`` rows (`GemmBackend.warm_up`), as vLLM warms DeepGEMM up for its own FP8
     Linears (``VLLM_DEEP_GEMM_WARMUP``; its ``skip`` skips this one too). Without it DeepGEMM compiles at each
-    new row count's first call: in vLLM's worker on the H100 the jetrl-unified engine spent ~15 s capturing
-    each CUDA-graph batch size (BF16: under 1 s in all) and its decode stalled between runs."""
+    new row count's first call: in vLLM's worker (H100 and H200) the jetrl-unified engine spent 66-68 s
+    capturing nine piecewise CUDA-graph sizes (BF16: under 1 s) and decoded erratically."""
     from jetrl.gemm import get_backend
 
     backend = get_backend(backend_name)
