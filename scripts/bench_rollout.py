@@ -111,9 +111,10 @@ def _prompts(batch: int, in_len: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(3, vocab, (batch, in_len), generator=g).tolist()
 
 
-def _decode(engine, shape: tuple[int, int, int], vocab: int, seed: int, repeats: int) -> dict:
+def _decode(engine, shape: tuple[int, int, int], vocab: int, seed: int, repeats: int, mode: str = "") -> dict:
     """Median decode throughput over `repeats` timed runs (after one warm-up) of ``shape = (batch, input_len,
-    output_len)`` random prompts."""
+    output_len)`` random prompts. Each run's figure is printed as it ends, so a call cut short by its time
+    limit (the JSON is written once the mode ends) still leaves them in its log."""
     import statistics
 
     batch, in_len, out_len = shape
@@ -126,6 +127,11 @@ def _decode(engine, shape: tuple[int, int, int], vocab: int, seed: int, repeats:
         samples = engine.generate(prompts, max_tokens=out_len, **kw)
         dt = time.perf_counter() - t0
         runs.append(sum(len(s.response_ids) for s in samples) / dt)
+        print(
+            f"[{mode}] batch {batch} x ({in_len} + {out_len}): run {len(runs)}/{repeats} {runs[-1]:.1f} tok/s "
+            f"in {dt:.2f} s",
+            flush=True,
+        )
     return {
         "batch": batch,
         "input_len": in_len,
@@ -279,7 +285,7 @@ def _measure(args, mode, recipe, engine, vocab, shapes, result, trace_dir: Path 
     for b, i, o in shapes:
         if kv is not None and b * (i + o) > kv:
             print(f"[{mode}] batch {b} x ({i} + {o}) tokens exceeds the KV cache: vLLM preempts requests", flush=True)
-    result["decode"][mode] = [_decode(engine, shape, vocab, 0, args.repeats) for shape in shapes]
+    result["decode"][mode] = [_decode(engine, shape, vocab, 0, args.repeats, mode) for shape in shapes]
     b, i, _ = shapes[-1]
     if args.profile:
         result["profile"][mode] = _profile(engine, b, i, args.profile_tokens, vocab, trace_dir=trace_dir)

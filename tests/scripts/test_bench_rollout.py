@@ -53,6 +53,24 @@ def test_merge_takes_only_modes_this_run_lacks(bench):
     assert bench.summarize(mine)["stock_fp8_over_bf16"] == {"64": 2.0}
 
 
+def test_decode_prints_every_timed_run_as_it_ends(bench, capsys):
+    """The figures of a call cut short by its time limit before the JSON is written stay in its log."""
+    from types import SimpleNamespace
+
+    calls = []
+
+    class Engine:
+        def generate(self, prompts, max_tokens, **kw):
+            calls.append((len(prompts), max_tokens))
+            return [SimpleNamespace(response_ids=[1] * max_tokens) for _ in prompts]
+
+    row = bench._decode(Engine(), (4, 3, 5), vocab=50, seed=0, repeats=2, mode="bf16")
+    assert calls == [(4, 5), (4, 5), (4, 5)]  # a warm-up (min(out_len, 8) tokens), then the timed runs
+    assert len(row["tok_s_runs"]) == 2 and row["tok_s"] > 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "tok/s" in ln]
+    assert [ln.split(": run ")[0] for ln in lines] == ["[bf16] batch 4 x (3 + 5)"] * 2  # read back: vllm_log_figures
+
+
 def test_shapes_layers_and_profile_options(bench, monkeypatch, capsys):
     assert bench._shapes("256:16:2048,64:256:256") == [(256, 16, 2048), (64, 256, 256)]
     with pytest.raises(bench.argparse.ArgumentTypeError, match="'256:16' is not batch:input_len:output_len"):
