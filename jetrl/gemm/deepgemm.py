@@ -10,6 +10,12 @@ Activation scales are passed MN-major with strides ``(1, align(rows, 4))`` (`sca
 "deepgemm"`); DeepGEMM would otherwise transpose them itself at extra cost. The token axis of wgrad
 (its K) is zero-padded to a multiple of 128 when needed. The module is imported from ``deep_gemm``,
 else from ``vllm.third_party.deep_gemm`` (the copy bundled in vLLM wheels).
+
+DeepGEMM compiles the dimensions named by ``compiled_dims`` (default ``"nk"``) into each kernel. For fprop and
+dgrad those are the Linear's fixed features; for wgrad K is the token count (padded to 128), so every new
+count compiles a new kernel with nvcc. ``wgrad_compiled_dims = "mn"`` leaves the token count a runtime
+argument instead; `scripts/bench_deepgemm_jit.py` measures both (compiles, time, equal bits) before any default
+changes.
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ class DeepGemmBackend(GemmBackend):
     compiles_per_shape = True
     scale_layout = "deepgemm"
     device_type = "cuda"
+    wgrad_compiled_dims = "nk"
+    """DeepGEMM's ``compiled_dims`` for wgrad: ``"nk"`` (its default, the token count compiled in) or ``"mn"``."""
 
     def __init__(self) -> None:
         reason = self.unavailable_reason()
@@ -87,6 +95,13 @@ class DeepGemmBackend(GemmBackend):
             return "DeepGEMM JIT-compiles its kernels with nvcc: set CUDA_HOME or put nvcc on PATH"
         return None
 
+    def _wgrad_kw(self) -> dict:
+        """``recipe`` and, where not DeepGEMM's default, ``compiled_dims`` of a wgrad call."""
+        dims = self.wgrad_compiled_dims
+        if dims not in ("nk", "mn"):
+            raise ValueError(f"deepgemm: wgrad_compiled_dims must be 'nk' or 'mn', got {dims!r}")
+        return {"recipe": (1, 1, 128), **({} if dims == "nk" else {"compiled_dims": dims})}
+
     def _gemm(self, a, a_s, b, b_s, *, role, out_dtype, c):
         m, n = a.shape[0], b.shape[0]
         if m == 0 or n == 0 or a.shape[1] == 0:
@@ -97,7 +112,7 @@ class DeepGemmBackend(GemmBackend):
             # the (1, 1, 128) kernel only exists as an accumulate (it asserts c is given): D = D + A @ B.T
             d = c.clone() if c is not None else torch.zeros((m, n), dtype=torch.float32, device=a.device)
             # Shapes: [N, T] @ [K, T]^T -> [N, K], fp32
-            self.dg.fp8_gemm_nt((a, sa), (b, to_scale_layout(b_s, "deepgemm")), d, c=d, recipe=(1, 1, 128))
+            self.dg.fp8_gemm_nt((a, sa), (b, to_scale_layout(b_s, "deepgemm")), d, c=d, **self._wgrad_kw())
             return d if out_dtype == torch.float32 else d.to(out_dtype)
         d = torch.empty((m, n), dtype=torch.float32 if c is not None else out_dtype, device=a.device)
         # Shapes: [M, K] @ [N, K]^T -> [M, N]
@@ -132,6 +147,6 @@ class DeepGemmBackend(GemmBackend):
             (b, to_scale_layout(b_s, "deepgemm")),
             acc,
             c=acc,
-            recipe=(1, 1, 128),
+            **self._wgrad_kw(),
         )
         return acc

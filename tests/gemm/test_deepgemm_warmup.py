@@ -1,5 +1,6 @@
-"""DeepGEMM's warm-up (`jetrl.gemm.deepgemm.warmup_rows`, `DeepGemmBackend.warm_up`): the row counts it runs, and
-on an sm_90 GPU that after it no row count up to the bound compiles anything new."""
+"""DeepGEMM's JIT: the warm-up (`jetrl.gemm.deepgemm.warmup_rows`, `DeepGemmBackend.warm_up`), the row counts it
+runs and, on an sm_90 GPU, that after it no row count up to the bound compiles anything new; and what wgrad's
+``compiled_dims`` passes on."""
 
 from __future__ import annotations
 
@@ -64,3 +65,33 @@ def test_after_the_warm_up_no_row_count_compiles_a_new_kernel(tmp_path, n, k):
     after_warm_up, after_sweep = (int(v) for v in out.stdout.split()[-2:])
     assert after_warm_up > 0, "the warm-up compiled nothing: is DG_JIT_CACHE_DIR where DeepGEMM writes?"
     assert after_sweep == after_warm_up, f"{after_sweep - after_warm_up} files compiled after the warm-up"
+
+
+def test_wgrad_compiled_dims_reach_deepgemm_only_where_not_its_default():
+    """``wgrad_compiled_dims`` (`scripts/bench_deepgemm_jit.py` compares both): ``"nk"``, DeepGEMM's default,
+    is not passed (the call stays what it was); ``"mn"`` is; anything else is refused before any call. A stand-in
+    for DeepGEMM records the calls (the backend itself needs an sm_90 GPU)."""
+    import torch
+
+    from jetrl.quant import FP8_DTYPE
+
+    calls = []
+    be = DeepGemmBackend.__new__(DeepGemmBackend)  # no GPU here: skip __init__'s availability check
+    be.dg = type("DG", (), {"fp8_gemm_nt": staticmethod(lambda *a, **kw: calls.append(kw))})()
+    be.device_type = "any"  # CPU tensors reach the stand-in
+    a, b = torch.zeros((256, 128), dtype=FP8_DTYPE), torch.zeros((128, 128), dtype=FP8_DTYPE)
+    a_s, b_s = torch.ones((256, 1)), torch.ones((128, 1))
+    acc = torch.zeros((256, 128))
+    be.gemm_accumulate_(a, a_s, b, b_s, acc)
+    be.wgrad_compiled_dims = "mn"
+    be.gemm_accumulate_(a, a_s, b, b_s, acc)
+    be.gemm(a, a_s, b, b_s, role="wgrad", out_dtype=torch.float32)
+    assert [sorted(kw.items()) for kw in calls] == [
+        [("c", acc), ("recipe", (1, 1, 128))],
+        [("c", acc), ("compiled_dims", "mn"), ("recipe", (1, 1, 128))],
+        [("c", calls[2]["c"]), ("compiled_dims", "mn"), ("recipe", (1, 1, 128))],
+    ]
+    be.wgrad_compiled_dims = "k"
+    with pytest.raises(ValueError, match="wgrad_compiled_dims must be 'nk' or 'mn', got 'k'"):
+        be.gemm_accumulate_(a, a_s, b, b_s, acc)
+    assert len(calls) == 3
