@@ -111,7 +111,7 @@ def _prompts(batch: int, in_len: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(3, vocab, (batch, in_len), generator=g).tolist()
 
 
-def _decode(engine, shape: tuple[int, int, int], vocab: int, seed: int, repeats: int, mode: str = "") -> dict:
+def _decode(engine, shape: tuple[int, int, int], vocab: int, seed: int, repeats: int, mode: str) -> dict:
     """Median decode throughput over `repeats` timed runs (after one warm-up) of ``shape = (batch, input_len,
     output_len)`` random prompts. Each run's figure is printed as it ends, so a call cut short by its time
     limit (the JSON is written once the mode ends) still leaves them in its log."""

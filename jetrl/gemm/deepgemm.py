@@ -12,10 +12,10 @@ Activation scales are passed MN-major with strides ``(1, align(rows, 4))`` (`sca
 else from ``vllm.third_party.deep_gemm`` (the copy bundled in vLLM wheels).
 
 DeepGEMM compiles the dimensions named by ``compiled_dims`` (default ``"nk"``) into each kernel. For fprop and
-dgrad those are the Linear's fixed features; for wgrad K is the token count (padded to 128), so every new
-count compiles a new kernel with nvcc. ``wgrad_compiled_dims = "mn"`` leaves the token count a runtime
-argument instead; `scripts/bench_deepgemm_jit.py` measures both (compiles, time, equal bits) before any default
-changes.
+dgrad those are the Linear's fixed features; for wgrad K is the token count (padded to 128), so a new count
+can mean a new kernel compiled with nvcc (not yet counted on a GPU). ``wgrad_compiled_dims = "mn"`` leaves the
+token count a runtime argument instead; `scripts/bench_deepgemm_jit.py` measures both (compiles, time, equal
+bits) before any default changes.
 """
 
 from __future__ import annotations
