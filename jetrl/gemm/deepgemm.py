@@ -121,8 +121,9 @@ class DeepGemmBackend(GemmBackend):
 
     def warm_up(self, n: int, k: int, max_rows: int, device: torch.device | str) -> int:
         """Run the fprop GEMM on zeros at every `warmup_rows` count, so DeepGEMM JIT-compiles every kernel an
-        ``m <= max_rows`` can pick now, not in the middle of a decode (in vLLM's worker, without it, capturing
-        the nine piecewise CUDA-graph sizes took 66-68 s, BF16's under 1 s). DeepGEMM caches what it compiled,
+        ``m <= max_rows`` can pick now, not in the middle of a decode (in vLLM's worker, capturing the nine
+        piecewise CUDA-graph sizes took 66-68 s without it, 4-6 s with it; the compiles move to load: engine start
+        on cold caches 202 -> 364 s on the H200, `rollout-mp-warmup-*.json`). DeepGEMM caches what it compiled,
         in the process and on disk (``DG_JIT_CACHE_DIR``)."""
         rows = warmup_rows(max_rows)
         a = torch.zeros((max_rows, k), dtype=FP8_DTYPE, device=device)
