@@ -8,6 +8,9 @@ and each role this runs every ``--tokens`` count in a fresh DeepGEMM JIT cache a
 (new kernel folders and files), the first call's seconds (its compile included) and the steady milliseconds
 (CUDA events, median of ``--repeats``); wgrad with ``compiled_dims`` ``"nk"`` and ``"mn"`` (T a runtime argument:
 `jetrl.gemm.deepgemm.DeepGemmBackend.wgrad_compiled_dims`), and whether the two give the same bits at every T.
+On an H100 (2026-12-05, `scripts/results/deepgemm-jit-nvidia-h100.json`) "nk" compiled a kernel at each of the 12
+counts for qkv and down_proj (2.3-3.4 s each), "mn" one per Linear, bit-equal and as fast: jetrl's wgrad now
+passes "mn".
 Operands are random BF16 tensors quantized by jetrl's own quantizers, as `JetFP8Linear` makes them.
 
     python3 scripts/bench_deepgemm_jit.py [--tokens 700,1500,4096] [--linears qkv,down_proj] [--out DIR]
