@@ -7,8 +7,9 @@ a device flag that `check_nonfinite()` (call once per step) turns into the same 
 and the tensor.
 
 Ops (one file each): `quantize_1x128`, `quantize_128x128`, `transpose_quantize` /
-`transpose_requantize`, `rmsnorm_quant` / `rmsnorm_backward`, `swiglu_quant` / `swiglu_backward`, and `rope`
-(transformers' rotary embedding, not FP8: the trainer-matched rollout engine's RoPE).
+`transpose_requantize`, `rmsnorm_quant` / `add_rmsnorm_quant` (the residual add fused in,
+forward only) / `rmsnorm_backward`, `swiglu_quant` / `swiglu_backward`, and `rope` /
+`rope_pair` (transformers' rotary embedding, not FP8: the trainer-matched rollout engine's RoPE).
 Not an op: `jetrl.kernels.digest`, the weight sync's byte digest (`jetrl.rollout.sync.tensor_digest`).
 """
 
@@ -23,13 +24,15 @@ else:
     from .quantize_1x128 import quantize_1x128, torch_quantize_1x128
     from .quantize_128x128 import quantize_128x128, torch_quantize_128x128
     from .rmsnorm_quant import (
+        add_rmsnorm_quant,
         rmsnorm_backward,
         rmsnorm_quant,
+        torch_add_rmsnorm_quant,
         torch_rmsnorm,
         torch_rmsnorm_backward,
         torch_rmsnorm_quant,
     )
-    from .rope import rope, rope_table, torch_rope
+    from .rope import rope, rope_pair, rope_table, torch_rope
     from .swiglu_quant import swiglu_backward, swiglu_quant, torch_swiglu_backward, torch_swiglu_quant
     from .transpose_quantize import (
         torch_transpose_quantize,
@@ -50,6 +53,8 @@ else:
         "transpose_requantize",
         "torch_transpose_requantize",
         "rmsnorm_quant",
+        "add_rmsnorm_quant",
+        "torch_add_rmsnorm_quant",
         "torch_rmsnorm",
         "torch_rmsnorm_quant",
         "rmsnorm_backward",
@@ -59,6 +64,7 @@ else:
         "swiglu_backward",
         "torch_swiglu_backward",
         "rope",
+        "rope_pair",
         "rope_table",
         "torch_rope",
     ]

@@ -36,6 +36,8 @@ __all__ = [
     "abs_max",
     "e4m3_scale",
     "e4m3_grid",
+    "ROUND_MODES",
+    "round_to",
 ]
 
 SCALE_LAYOUTS = ("row", "deepgemm")
@@ -206,3 +208,27 @@ def count_nonfinite(x):
     floating-point comparison can be folded away by the compiler."""
     bits = x.to(tl.int32, bitcast=True) & 0x7F800000
     return tl.sum(tl.ravel(tl.where(bits == 0x7F800000, 1, 0)), axis=0)
+
+
+ROUND_MODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+"""The ``MODE`` constexpr of `round_to` for a tensor dtype."""
+
+
+@triton.jit
+def _round_bf16(x):
+    """fp32 -> the nearest bfloat16 (ties to even), as an fp32 value; NaN stays NaN."""
+    u = x.to(tl.uint32, bitcast=True)
+    r = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return tl.where(x != x, x, r.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def round_to(x, MODE: tl.constexpr):
+    """fp32 `x` rounded to the dtype of `MODE` (`ROUND_MODES`), ties to even, as fp32: what eager torch's
+    "compute in fp32, round once" gives. bfloat16 rounds through the fp32 bits, because the Triton CPU
+    interpreter's fp32 -> bf16 cast truncates (the compiled cast rounds: both then compute the same bytes)."""
+    if MODE == 1:
+        x = _round_bf16(x)
+    elif MODE == 2:
+        x = x.to(tl.float16).to(tl.float32)
+    return x

@@ -34,54 +34,22 @@ import torch
 import triton
 import triton.language as tl
 
-from ._runtime import check_matrix
+from ._runtime import ROUND_MODES, check_matrix, round_to
 
-__all__ = ["rope", "torch_rope", "launch_rope", "rope_table", "DYNAMIC_ROPE_TYPES"]
+__all__ = ["rope", "rope_pair", "torch_rope", "launch_rope", "launch_rope_pair", "rope_table", "DYNAMIC_ROPE_TYPES"]
 
 OP = "jetrl::rope"
 DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 """transformers rope types whose frequencies change with the sequence length (``dynamic_rope_update``)."""
 
-_MODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
 
 @triton.jit
-def _round_bf16(x):
-    """fp32 -> the nearest bfloat16 (ties to even), as an fp32 value; NaN stays NaN."""
-    u = x.to(tl.uint32, bitcast=True)
-    r = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-    return tl.where(x != x, x, r.to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def _round(x, MODE: tl.constexpr):
-    if MODE == 1:
-        x = _round_bf16(x)
-    elif MODE == 2:
-        x = x.to(tl.float16).to(tl.float32)
-    return x
-
-
-@triton.jit
-def _rope_kernel(
-    x_ptr,
-    out_ptr,
-    table_ptr,
-    pos_ptr,
-    H,
-    P,
-    stride_xt,
-    stride_tab,
-    D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    MODE: tl.constexpr,
-):
-    t = tl.program_id(0)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+def _rope_heads(x_ptr, out_ptr, table_ptr, pos, t, hb, H, P, stride_xt, stride_tab, D: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, MODE: tl.constexpr):  # fmt: skip
+    """Heads ``hb * BLOCK_H ..`` of row `t` of one tensor."""
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     half = D // 2
-    pos = tl.load(pos_ptr + t).to(tl.int64) + tl.zeros([BLOCK_D], tl.int64)
     mask_d = offs_d < D
     mask = (offs_h < H)[:, None] & mask_d[None, :]
 
@@ -99,9 +67,40 @@ def _rope_kernel(
     s = tl.load(table_ptr + stride_tab + pos * D + offs_d, mask=cmask, other=float("nan")).to(tl.float32)
 
     # (x * cos).to(dtype) + (rotate_half(x) * sin).to(dtype), the sum rounded to dtype
-    y = _round(_round(x * c[None, :], MODE) + _round(rot * s[None, :], MODE), MODE)
+    y = round_to(round_to(x * c[None, :], MODE) + round_to(rot * s[None, :], MODE), MODE)
     out = out_ptr + t.to(tl.int64) * (H * D) + offs_h[:, None] * D + offs_d[None, :]
     tl.store(out, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr,
+    out_ptr,
+    k_ptr,
+    kout_ptr,
+    table_ptr,
+    pos_ptr,
+    H,
+    HK,
+    NXB,
+    P,
+    stride_xt,
+    stride_kt,
+    stride_tab,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    MODE: tl.constexpr,
+):
+    # programs (t, 0..NXB-1) rotate x's heads, (t, NXB..) the second tensor's (`rope_pair`'s k)
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    pos = tl.load(pos_ptr + t).to(tl.int64) + tl.zeros([BLOCK_D], tl.int64)
+    if hb < NXB:
+        _rope_heads(x_ptr, out_ptr, table_ptr, pos, t, hb, H, P, stride_xt, stride_tab, D, BLOCK_D, BLOCK_H, MODE)
+    else:
+        _rope_heads(k_ptr, kout_ptr, table_ptr, pos, t, hb - NXB, HK, P, stride_kt, stride_tab, D, BLOCK_D, BLOCK_H,
+                    MODE)  # fmt: skip
 
 
 def _check(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, head_dim: int, name: str) -> None:
@@ -134,28 +133,57 @@ def launch_rope(
     ``[T]`` with `table` ``[2, P, head_dim]`` (`rope_table`); returns a contiguous ``[T, H * head_dim]``.
     `block_h` heads per program and `num_warps` change speed only (`scripts/bench_kernels.py --sweep`)."""
     _check(x, table, positions, head_dim, name)
-    t, width = x.shape
-    out = torch.empty((t, width), dtype=x.dtype, device=x.device)
-    if x.numel() == 0:
-        return out
-    h = width // head_dim
-    _rope_kernel[(t, triton.cdiv(h, block_h))](
+    return _launch(x, None, table, positions, head_dim, block_h, num_warps)[0]
+
+
+def launch_rope_pair(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    table: torch.Tensor,
+    positions: torch.Tensor,
+    head_dim: int,
+    name: str = "x",
+    block_h: int = 4,
+    num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`launch_rope` of `q` and of `k` (the same rows and positions, any head counts) in one launch:
+    ``(q_out, k_out)``, each what `launch_rope` returns for it."""
+    _check(q, table, positions, head_dim, f"{name}:q")
+    _check(k, table, positions, head_dim, f"{name}:k")
+    return _launch(q, k, table, positions, head_dim, block_h, num_warps)
+
+
+def _launch(x, k, table, positions, head_dim, block_h, num_warps):
+    t = x.shape[0]
+    out = torch.empty((t, x.shape[1]), dtype=x.dtype, device=x.device)
+    kout = None if k is None else torch.empty((t, k.shape[1]), dtype=k.dtype, device=k.device)
+    h = x.shape[1] // head_dim
+    hk = 0 if k is None else k.shape[1] // head_dim
+    if t == 0 or h + hk == 0:
+        return out, kout
+    nxb = triton.cdiv(h, block_h)
+    _rope_kernel[(t, nxb + triton.cdiv(hk, block_h))](
         x,
         out,
+        x if k is None else k,
+        out if k is None else kout,
         table,
         positions,
         h,
+        hk,
+        nxb,
         table.shape[1],
         x.stride(0),
+        x.stride(0) if k is None else k.stride(0),
         table.stride(0),
         D=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_H=block_h,
-        MODE=_MODES[x.dtype],
+        MODE=ROUND_MODES[x.dtype],
         num_warps=num_warps,
         enable_fp_fusion=False,
     )
-    return out
+    return out, kout
 
 
 def torch_rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, head_dim: int, name: str = "x"):
@@ -186,6 +214,39 @@ def _(x, table, positions, head_dim, name):
 @_rope_op.register_fake
 def _(x, table, positions, head_dim, name):
     return x.new_empty(x.shape)
+
+
+OP_PAIR = "jetrl::rope_pair"
+
+
+@torch.library.custom_op(OP_PAIR, mutates_args=(), device_types="cpu")
+def _rope_pair_op(
+    q: torch.Tensor, k: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, head_dim: int, name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        torch_rope(q, table, positions, head_dim, f"{name}:q").contiguous(),
+        torch_rope(k, table, positions, head_dim, f"{name}:k").contiguous(),
+    )
+
+
+@_rope_pair_op.register_kernel("cuda")
+def _(q, k, table, positions, head_dim, name):
+    return launch_rope_pair(q, k, table, positions, head_dim, name)
+
+
+@_rope_pair_op.register_fake
+def _(q, k, table, positions, head_dim, name):
+    return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+def rope_pair(
+    q: torch.Tensor, k: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, head_dim: int, *, name: str = "x"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope` of q ``[T, Hq * head_dim]`` and k ``[T, Hk * head_dim]`` at the same `positions` in one kernel
+    launch (the torch op ``jetrl::rope_pair``): ``(q_out, k_out)``, each bit-equal to `rope` of it. The rollout
+    engine rotates every layer's q and k this way (one launch where two were, `jetrl.rollout.vllm_model`);
+    errors name ``<name>:q`` / ``<name>:k``."""
+    return _rope_pair_op(q, k, table, positions, head_dim, name)
 
 
 def rope(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, head_dim: int, *, name: str = "x"):

@@ -53,13 +53,18 @@ OP_SPECS: dict[str, QuantSpec] = {
     "jetrl::quantize_128x128": QuantSpec(Granularity.G128x128),
     "jetrl::transpose_quantize": QuantSpec(Granularity.G128x1),
     "jetrl::rmsnorm_quant": QuantSpec(Granularity.G1x128),
+    "jetrl::add_rmsnorm_quant": QuantSpec(Granularity.G1x128),
     "jetrl::swiglu_quant": QuantSpec(Granularity.G1x128),
 }
 """The spec each jetrl custom op implements (interface A: each is bit-identical to `jetrl.quant`)."""
 
 _ACT_OPS = ("jetrl::quantize_1x128",)
 """Ops that quantize a Linear's input inside the Linear (the weight quantizers also run there, once)."""
-_FUSED_OPS = {"jetrl::rmsnorm_quant": OpKind.NORM_QUANT, "jetrl::swiglu_quant": OpKind.ACTIVATION_QUANT}
+_FUSED_OPS = {
+    "jetrl::rmsnorm_quant": OpKind.NORM_QUANT,
+    "jetrl::add_rmsnorm_quant": OpKind.NORM_QUANT,  # the rollout engine's residual add + norm + quantize
+    "jetrl::swiglu_quant": OpKind.ACTIVATION_QUANT,
+}
 
 
 def digest(t: torch.Tensor) -> str:

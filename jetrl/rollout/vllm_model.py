@@ -16,11 +16,12 @@ vLLM's:
 - each decoder layer's ``input_layernorm`` / ``post_attention_layernorm`` (vLLM's fused add + norm):
   the BF16 residual add as transformers does it, then the norm -- ``hf``: transformers' RMSNorm formula
   (`hf_rms_norm`), ``fused``: `jetrl.kernels.rmsnorm_quant`, the trainer's fused producer
-  (``model.fuse_producers``), whose Triton kernel has one row configuration for any number of rows;
+  (``model.fuse_producers``), whose Triton kernel has one row configuration for any number of rows, with the
+  add in the same kernel (`jetrl.kernels.add_rmsnorm_quant`: the same bits as the add then the norm);
 - the MLP's SiLU-and-mul: ``act_fn(gate) * up`` (transformers' activation) or `jetrl.kernels.swiglu_quant`;
 - Qwen3's per-head ``q_norm`` / ``k_norm`` and the final ``norm``: `hf_rms_norm`;
 - the rotary embedding: transformers' ``apply_rotary_pos_emb`` of transformers' own rotary module's cos/sin
-  (same config, rope scaling included) as `jetrl.kernels.rope`, one kernel on CUDA bit-equal to
+  (same config, rope scaling included) as `jetrl.kernels.rope_pair` (q and k), one kernel on CUDA bit-equal to
   transformers' eager ops, reading a cos/sin table the module computed once for the engine's positions
   (`jetrl.kernels.rope_table`; the rope types whose frequencies follow the sequence length are refused).
 
@@ -102,15 +103,29 @@ def _summed(x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tenso
 def _add_norm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, fused: bool, name: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(s), s) with ``s = residual + x`` (or `x`): `hf_rms_norm`, or `jetrl.kernels.rmsnorm_quant`."""
-    rows, s = _summed(x, residual)
+    """(norm(s), s) with ``s = residual + x`` (or `x`): `hf_rms_norm`, or `jetrl.kernels.rmsnorm_quant`
+    (`jetrl.kernels.add_rmsnorm_quant` with a residual: the add in the same kernel, the same bits)."""
     if fused:
-        from jetrl.kernels import rmsnorm_quant
+        y, _, _, s = _fused_add_norm(x, residual, weight, eps, "row", name)
+        return y, s
+    rows, s = _summed(x, residual)
+    return hf_rms_norm(rows, weight, eps).view(s.shape), s
 
-        y = rmsnorm_quant(rows, weight, eps, scale_layout="row", name=f"{name}:output")[0]
-    else:
-        y = hf_rms_norm(rows, weight, eps)
-    return y.view(s.shape), s
+
+def _fused_add_norm(x, residual, weight, eps, scale_layout, name):
+    """(y, q, s, residual + x) through jetrl's fused producer: the add in its kernel where there is a residual."""
+    from jetrl.kernels import add_rmsnorm_quant, rmsnorm_quant
+
+    out_name = f"{name}:output"
+    if residual is None:
+        rows, s = _summed(x, None)
+        y, q, sc, _ = rmsnorm_quant(rows, weight, eps, scale_layout=scale_layout, name=out_name)
+        return y.view(s.shape), q, sc, s
+    k = x.shape[-1]
+    y, q, sc, s = add_rmsnorm_quant(
+        x.reshape(-1, k), residual.reshape(-1, k), weight, eps, scale_layout=scale_layout, name=out_name
+    )
+    return y.view(x.shape), q, sc, s.view(x.shape)
 
 
 @_add_norm.register_fake
@@ -124,12 +139,8 @@ def _(x, residual, weight, eps, fused, name):
 def _add_norm_quant(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, scale_layout: str, name: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`_add_norm` through `jetrl.kernels.rmsnorm_quant`, keeping its FP8 output: (y, q, s, residual)."""
-    from jetrl.kernels import rmsnorm_quant
-
-    rows, s = _summed(x, residual)
-    y, q, sc, _ = rmsnorm_quant(rows, weight, eps, scale_layout=scale_layout, name=f"{name}:output")
-    return y.view(s.shape), q, sc, s
+    """`_add_norm` through jetrl's fused producer, keeping its FP8 output: (y, q, s, residual)."""
+    return _fused_add_norm(x, residual, weight, eps, scale_layout, name)
 
 
 @_add_norm_quant.register_fake
@@ -203,17 +214,15 @@ def _rope(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, head_dim: int, key: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' rotary embedding (``apply_rotary_pos_emb`` of the registered module's cos/sin, through
-    `jetrl.kernels.rope` and the module's table) of vLLM's flat ``[T, heads * head_dim]`` q and k at
-    `positions`."""
-    from jetrl.kernels import rope
+    `jetrl.kernels.rope_pair`, q and k in one launch, and the module's table) of vLLM's flat
+    ``[T, heads * head_dim]`` q and k at `positions`."""
+    from jetrl.kernels import rope_pair
 
     table = _ROTARY[key].jetrl_table
     t = positions.numel()
     if q.shape[0] != t or k.shape[0] != t:
         raise ValueError(f"jetrl::engine_rope: {t} positions for q {tuple(q.shape)} and k {tuple(k.shape)}")
-    pos = positions.reshape(t)
-    q2 = rope(q.reshape(t, -1), table, pos, head_dim, name=f"{key}:q")
-    k2 = rope(k.reshape(t, -1), table, pos, head_dim, name=f"{key}:k")
+    q2, k2 = rope_pair(q.reshape(t, -1), k.reshape(t, -1), table, positions.reshape(t), head_dim, name=key)
     return q2.view(q.shape), k2.view(k.shape)
 
 

@@ -146,12 +146,29 @@ def interp_results():
         dy = make_input(m, k, DTYPES[d], "randn", seed=7)
         rstd = K.torch_rmsnorm_quant(x, w, EPS)[3]
         calls.append(("rmsnorm_quant", "launch_rmsnorm_backward", (dy, x, w, rstd), {"num_programs": 3}))
+    for m, k, d in _INTERP_ADD:
+        x, r = _add_operands(m, k, DTYPES[d])
+        w = _weight(k, DTYPES[d])
+        calls.append(("rmsnorm_quant", "launch_add_rmsnorm_quant", (x, r, w, EPS, "deepgemm", "t.x"), {}))
+        calls.append(("rmsnorm_quant", "launch_rmsnorm_quant", (r + x, w, EPS, "deepgemm", "t.x"), {}))
     bad = torch.randn(3, 300)
     bad[2, 299] = float("nan")
     calls.append(
         ("rmsnorm_quant", "launch_rmsnorm_quant", (bad, torch.ones(300), EPS, "row", "layers.9.input_layernorm"), {})
     )
     return run_interpreted(calls)
+
+
+# residual + x then the norm in one kernel: the register path and the chunked one (K > 4096), each dtype
+_INTERP_ADD = [(m, k, d) for (m, k) in [(13, 300), (2, 5000)] for d in DTYPES]
+
+
+def _add_operands(m: int, k: int, dtype: torch.dtype, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, residual): x a column slice of a wider buffer (a row stride of its own, as vLLM's outputs can have),
+    the residual larger, so the bf16 sums round (and tie) often."""
+    x = make_input(m, k + 64, dtype, "randn", seed=m * k, device=device)[:, 32 : 32 + k]
+    r = (8 * make_input(m, k, dtype, "randn", seed=m + k + 1)).to(device)
+    return x, r
 
 
 @pytest.mark.parametrize("case", range(len(_INTERP)), ids=[f"M{m}-K{k}-{d}-{kd}" for m, k, d, kd in _INTERP])
@@ -184,6 +201,44 @@ def test_interpreter_backward(interp_results, case):
     _check_backward(dx, dw, dx_ref, dw_ref, r["args"], 2.0, f"{m=} {k=} {d} {kind}")
 
 
+@pytest.mark.parametrize("case", range(len(_INTERP_ADD)), ids=[f"M{m}-K{k}-{d}" for m, k, d in _INTERP_ADD])
+def test_interpreter_add_is_rmsnorm_quant_of_the_torch_sum(interp_results, case):
+    """The fused add writes eager torch's ``residual + x`` bit for bit (bf16 too: it rounds through the fp32
+    bits, so the interpreter's truncating cast does not reach it), and its y / q / s are `rmsnorm_quant`'s of
+    that sum, bit for bit (the same interpreter computed both)."""
+    m, k, d = _INTERP_ADD[case]
+    fused = interp_results[2 * len(_INTERP) + 2 * case]
+    plain = interp_results[2 * len(_INTERP) + 2 * case + 1]
+    x, r = fused["args"][:2]
+    y, q, s, total = fused["out"]
+    ctx = f"{m=} {k=} {d}"
+    assert fused["nonfinite"] is None
+    assert_bitwise("residual + x", total, r + x, ctx)
+    for what, got, want in zip(("y", "q", "s"), (y, q, s), plain["out"][:3], strict=True):
+        assert_bitwise(what, got, want, ctx)
+    assert s.stride() == plain["out"][2].stride()
+
+
+def test_add_rmsnorm_quant_reference_and_errors():
+    x, r = _add_operands(13, 300, torch.bfloat16)
+    w = _weight(300, torch.bfloat16)
+    y, q, s, total = K.add_rmsnorm_quant(x, r, w, EPS, name="layers.1.input_layernorm")
+    assert_bitwise("total", total, r + x)
+    for what, got, want in zip(("y", "q", "s"), (y, q, s), K.rmsnorm_quant(r + x, w, EPS)[:3], strict=True):
+        assert_bitwise(what, got, want)
+    with pytest.raises(ValueError, match=r"jetrl::add_rmsnorm_quant: residual torch.bfloat16 \(13, 299\)"):
+        K.add_rmsnorm_quant(x, r[:, :299], w, EPS, name="layers.1.input_layernorm")
+    r[4, 7] = float("inf")
+    with pytest.raises(quant.NonFiniteError, match="layers.1.input_layernorm"):
+        K.add_rmsnorm_quant(x, r, w, EPS, name="layers.1.input_layernorm")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        e = torch.empty(13, 300, dtype=torch.bfloat16)
+        out = K.add_rmsnorm_quant(e, e, torch.empty(300), EPS, scale_layout="deepgemm")
+    assert [tuple(t.shape) for t in out] == [(13, 300), (13, 300), (13, 3), (13, 300)]
+
+
 def test_interpreter_nonfinite_flag_names_op_and_tensor(interp_results):
     msg = interp_results[-1]["nonfinite"]
     assert msg is not None and "jetrl::rmsnorm_quant" in msg and "layers.9.input_layernorm" in msg, msg
@@ -214,6 +269,24 @@ def test_gpu(m, k, kind):
         dx, dw = K.rmsnorm_backward(dy, x, w, rstd)
         dx_ref, dw_ref = K.torch_rmsnorm_backward(dy, x, w, rstd)
         _check_backward(dx, dw, dx_ref, dw_ref, (dy, x, w, rstd), 1.0, ctx)
+    K.check_nonfinite()
+
+
+@gpu
+@pytest.mark.parametrize("m,k", [(256, 4096), (4095, 5120), (1, 14336)])
+def test_gpu_add(m, k):
+    """On the GPU: the fused add is eager torch's sum bit for bit, and y / q / s are `rmsnorm_quant`'s of it."""
+    for d, dtype in DTYPES.items():
+        x, r = _add_operands(m, k, dtype, device="cuda")
+        w = _weight(k, dtype, "cuda")
+        for layout in ("row", "deepgemm"):
+            ctx = f"{m=} {k=} {d} {layout}"
+            y, q, s, total = K.add_rmsnorm_quant(x, r, w, EPS, scale_layout=layout)
+            assert_bitwise("residual + x", total, r + x, ctx)
+            y0, q0, s0, _ = K.rmsnorm_quant(r + x, w, EPS, scale_layout=layout)
+            assert_bitwise("y", y, y0, ctx)
+            assert_bitwise("bytes", q, q0, ctx)
+            assert_bitwise("scales", s, s0, ctx)
     K.check_nonfinite()
 
 

@@ -132,6 +132,11 @@ def interp_results():
     # launch options (speed only): the first case again with other head blocks and warps
     for opts in ({"block_h": 1, "num_warps": 1}, {"block_h": 8, "num_warps": 8}):
         calls.append(("rope", "launch_rope", calls[0][2], {"name": "x", **opts}))
+    # q and k in one launch (a GQA pair: k with fewer heads, each with its own row stride)
+    for i in _PAIR:
+        q, table, pos, hd = calls[i][2]
+        k = _rows(q.shape[0], 2, hd, q.dtype, 50 + i, extra=96)
+        calls.append(("rope", "launch_rope_pair", (q, k, table, pos, hd), {"name": "layers.0"}))
     # positions outside the table: NaN rows, nothing read
     table = torch.ones(2, 8, 64, dtype=torch.bfloat16)
     calls.append(
@@ -155,6 +160,30 @@ def test_launch_options_change_no_byte(interp_results):
     first = interp_results[0]["out"]
     for r in interp_results[len(_INTERP) : len(_INTERP) + 2]:
         assert torch.equal(r["out"].view(torch.int16), first.view(torch.int16))
+
+
+_PAIR = (0, 2)  # cases of _INTERP whose q gets a k (bf16 and fp32)
+
+
+@pytest.mark.parametrize("i", range(len(_PAIR)))
+def test_pair_interpreted_is_the_reference_of_each_bitwise(interp_results, i):
+    r = interp_results[len(_INTERP) + 2 + i]
+    q, k, table, pos, hd = r["args"]
+    (qo, ko), width = r["out"], (torch.int16 if q.element_size() == 2 else torch.int32)
+    for got, x in ((qo, q), (ko, k)):
+        want = K.torch_rope(x, table, pos, hd).contiguous()
+        assert got.is_contiguous() and torch.equal(got.view(width), want.view(width))
+
+
+def test_pair_errors_name_the_tensor():
+    table = torch.zeros(2, 16, 64, dtype=torch.bfloat16)
+    q, k = torch.zeros(3, 128, dtype=torch.bfloat16), torch.zeros(3, 96, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"layers.4:k \(3, 96\) is not whole heads of an even head_dim=64"):
+        K.rope_pair(q, k, table, torch.tensor([0, 1, 2]), 64, name="layers.4")
+    with pytest.raises(
+        ValueError, match=r"positions must be int32/int64 \[3\] \(one per row of layers.4:k\), got torch.int64 \(2,\)"
+    ):
+        K.rope_pair(q[:2], k[:, :64], table, torch.tensor([0, 1]), 64, name="layers.4")
 
 
 def test_kernel_interpreted_outside_the_table_is_nan(interp_results):
@@ -182,3 +211,7 @@ def test_kernel_on_gpu_is_transformers_eager_bitwise(model_type, t):
     qr, _ = _modeling(model_type).apply_rotary_pos_emb(qh, qh, cos, sin)
     got = K.rope(q, table, pos, hd)
     assert torch.equal(got.view(torch.int16), qr.transpose(1, 2).reshape(t, h * hd).contiguous().view(torch.int16))
+    k = _rows(t, hkv, hd, torch.bfloat16, 4, extra=h * hd).cuda()  # q and k in one launch: each as alone
+    qp, kp = K.rope_pair(q, k, table, pos, hd)
+    assert torch.equal(qp.view(torch.int16), got.view(torch.int16))
+    assert torch.equal(kp.view(torch.int16), K.rope(k, table, pos, hd).view(torch.int16))

@@ -244,6 +244,15 @@ def test_fused_producers_hand_their_fp8_bytes_to_the_linears(tmp_path):
         assert "pre-quantized by a fused producer" in info.x.producer and info.x.quantized
         assert trace.tensors[info.path]["xq"] is not None  # the handed-over bytes, for the numeric lint
     assert "model.layers.0.self_attn.o_proj|jetrl::quantize_1x128" in quantizer_calls  # after attention: its own
+    # the residual add runs inside the norm's kernel wherever there is a residual (not before the first layer)
+    norm_ops = sorted(k for k in trace.op_counts if "layernorm|" in k and "rmsnorm_quant" in k)
+    assert norm_ops == [
+        "model.layers.0.input_layernorm|jetrl::rmsnorm_quant",
+        "model.layers.0.post_attention_layernorm|jetrl::add_rmsnorm_quant",
+        "model.layers.1.input_layernorm|jetrl::add_rmsnorm_quant",
+        "model.layers.1.post_attention_layernorm|jetrl::add_rmsnorm_quant",
+    ], norm_ops
+    assert "model.layers.1.self_attn.rotary_emb|jetrl::rope_pair" in trace.op_counts  # q and k in one launch
 
 
 @pytest.mark.vllm
