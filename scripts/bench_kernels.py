@@ -353,14 +353,29 @@ def _shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
+def sweep_names(arg: str) -> list[str]:
+    """The `SWEEPS` names `--sweep` selects: ``all``, or a comma list of names, each exact or the part of a name
+    before ``" ("`` (``rope`` for ``"rope (engine RoPE, head_dim 128)"``, whose comma a plain split would cut)."""
+    if arg == "all":
+        return list(SWEEPS)
+    names = []
+    for token in (t.strip() for t in arg.split(",")):
+        hits = [n for n in SWEEPS if token in (n, n.split(" (")[0])]
+        if not hits:
+            raise SystemExit(f"--sweep: unknown kernel {token!r}; choose from {list(SWEEPS)}")
+        names.append(hits[0])
+    return names
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument(
         "--sweep",
         nargs="?",
-        const=",".join(SWEEPS),
-        help="also time launch configs (all kernels, or a comma list of SWEEPS names)",
+        const="all",
+        help="also time launch configs (all kernels, or a comma list of SWEEPS names; a name's part before "
+        "' (' selects it too, e.g. 'rope')",
     )
     ap.add_argument(
         "--sweep-shapes",
@@ -371,10 +386,7 @@ def main() -> None:
     ap.add_argument("--sweep-note", default="", help="what this sweep run tried, stored beside its rows")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager torch references")
     args = ap.parse_args()
-    sweep_kernels = args.sweep.split(",") if args.sweep else []
-    unknown = set(sweep_kernels) - set(SWEEPS)
-    if unknown:
-        raise SystemExit(f"--sweep: unknown kernels {sorted(unknown)}; choose from {list(SWEEPS)}")
+    sweep_kernels = sweep_names(args.sweep) if args.sweep else []
     if args.sweep_only and not sweep_kernels:
         raise SystemExit("--sweep-only needs --sweep")
     sweep_shapes = _shapes(args.sweep_shapes) if sweep_kernels else []

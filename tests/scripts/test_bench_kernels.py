@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from scripts_cases import load_script
@@ -39,6 +41,15 @@ def test_sweep_shapes_parse_and_refuse_garbage(bench):
     assert bench._shapes("16384x4096,4096X14336") == [(16384, 4096), (4096, 14336)]
     with pytest.raises(SystemExit, match="--sweep-shapes"):
         bench._shapes("16384,4096")
+
+
+def test_sweep_names_select_by_name_or_its_head(bench):
+    """``--sweep`` names: exact, or the part before ``" ("`` (the RoPE entry's own name holds a comma), or all."""
+    assert bench.sweep_names("swiglu_quant,rope") == ["swiglu_quant", "rope (engine RoPE, head_dim 128)"]
+    assert bench.sweep_names("all") == list(bench.SWEEPS)
+    assert bench.sweep_names("quantize_1x128[row]") == ["quantize_1x128[row]"]
+    with pytest.raises(SystemExit, match=re.escape("unknown kernel 'rope (engine RoPE'")):
+        bench.sweep_names("rope (engine RoPE, head_dim 128)")
 
 
 def test_sweep_grids_use_only_launcher_options(bench):
