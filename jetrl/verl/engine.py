@@ -15,6 +15,9 @@ What changes against `FSDPEngineWithLMHead`, and nothing else:
   FSDP wraps the model. The Parameters are the same objects under the same HF names, so FSDP2's
   sharding, mixed precision (the unsharded weight a Linear sees is the ``param_dtype`` cast of the fp32
   shard), the optimizer, checkpoints and ``get_per_tensor_param`` see an unchanged model.
+  With ``JETRL_ENGINE_OPS=fused`` (``jetrl.engine_ops=fused``) the conversion also installs jetrl's fused
+  producers (`JetRMSNormQuant` for the norms before FP8 Linears, `JetSwiGLUMLP`; same Parameters, same
+  names), the kernels the rollout's ``fused`` engine runs, so both sides hand the same FP8 bytes to the Linears.
 - No FP8 weight is kept (`jetrl.linear.set_fp8_weight_caching` off): each forward quantizes the weight FSDP
   has just gathered for fprop, and the backward the weight FSDP gathers again for it for dgrad (same values,
   same bytes), so no full-size FP8 weight is held between forwards nor between a layer's forward and its
@@ -204,6 +207,14 @@ class JetrlFSDPEngine(FSDPEngineWithLMHead):
         if numerics == "strict" and not torch.cuda.is_available():
             raise RuntimeError(f"{NUMERICS_ENV}=strict runs vLLM's CUDA kernels in the actor; no CUDA device here")
         self.jetrl_recipe, self.jetrl_numerics = recipe_from_env(), numerics
+        # jetrl.engine_ops=fused: the rollout's norms and SwiGLU run jetrl's fused producers, so the actor's do too
+        # (the same kernels and bytes on both sides, as `jetrl train` pairs model.fuse_producers with them)
+        fuse = os.environ.get(ENGINE_OPS_ENV) == "fused"
+        if fuse and numerics == "strict":
+            raise RuntimeError(
+                f"{NUMERICS_ENV}=strict with {ENGINE_OPS_ENV}=fused: strict numerics run transformers' norms in the "
+                "actor and in the engine (jetrl.engine_ops=hf)"
+            )
         self.jetrl_last_export = {}
         if self.engine_config.strategy != "fsdp2":
             raise NotImplementedError(
@@ -216,7 +227,7 @@ class JetrlFSDPEngine(FSDPEngineWithLMHead):
             )
         module = super()._build_module()
         backend = os.environ.get(BACKEND_ENV, "auto")
-        self.jetrl_conversion = convert_model(module, self.jetrl_recipe, backend=backend)
+        self.jetrl_conversion = convert_model(module, self.jetrl_recipe, backend=backend, fuse=fuse)
         set_fp8_weight_caching(module, False)
         if self.jetrl_numerics == "strict":
             from jetrl.rollout.adapter import enable_batch_invariance

@@ -62,6 +62,9 @@ __all__ = [
 CONFIG_DIR = Path(__file__).parent / "config"
 CONFIG_NAME = "jetrl_ppo_trainer"
 JETRL_KEYS = ("recipe", "engine_ops", "numerics", "dry_run", "lint", "proceed_on_lint_violation")
+ENGINE_OPS = ("auto", "vllm", "hf", "fused")
+"""``jetrl.engine_ops``: what the rollout computes between the Linears (`jetrl.rollout.vllm_model`); ``fused`` also
+makes the actor fuse its producers (`jetrl.verl.engine`), so both sides run the same kernels."""
 PLUGIN_MODULE = "jetrl.verl.plugin"
 COLOCATED_TRAINER_MODES = ("sync", "colocate_async")
 """verl 0.9.1 V1 trainer modes whose weight sync is the colocated one jetrl's worker extension receives."""
@@ -141,10 +144,10 @@ def apply_recipe(cfg: DictConfig) -> dict[str, str]:
             "verl's FP8 rollout re-quantizes weights at every sync (that baseline is jetrl.recipe=naive-fp8-rollout)"
         )
     ops = cfg.jetrl.get("engine_ops") or "auto"
-    if ops not in ("auto", "vllm", "hf"):
+    if ops not in ENGINE_OPS:
         raise ConfigError(
-            f"jetrl.engine_ops={ops!r}: choose 'auto', 'vllm' or 'hf' (verl's FSDP actor runs transformers' own "
-            "norms, so the engine has no fused producers to match)"
+            f"jetrl.engine_ops={ops!r}: choose one of {ENGINE_OPS} ('fused': the actor's norms and SwiGLU through "
+            "jetrl's fused producer kernels, the rollout's the same, FP8 handed to the next Linear on both sides)"
         )
     if ops == "auto":
         ops = _auto_engine_ops(cfg, recipe.name)

@@ -12,7 +12,8 @@
 #   MODEL_PATH [$MODEL_ID]  DATA_DIR [~/data/jetrl]  NGPUS [8]  NNODES [1]  ROLLOUT_TP [2]
 #   RESPONSE_LEN [recipe's]  PROMPT_LEN [recipe's]  RECIPE [jetrl-unified | naive-fp8-rollout | bf16]
 #   ENGINE_OPS [auto = hf for jetrl-unified, vllm for the baselines; hf = the rollout engine runs the actor's
-#              norms, RoPE and SiLU (jetrl-unified only); vllm = vLLM's own ops]
+#              norms, RoPE and SiLU (jetrl-unified only); fused = hf through jetrl's fused producer kernels,
+#              the actor fusing its own too; vllm = vLLM's own ops]
 #   NUMERICS [hf | strict = the actor's attention and log-probs through vLLM's kernels, both sides batch-invariant
 #            (CUDA, jetrl-unified with ENGINE_OPS auto/hf; jetrl.numerics)]
 #   REMOVE_PADDING [True; False with NUMERICS=strict, which needs verl's padded batch]

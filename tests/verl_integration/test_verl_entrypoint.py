@@ -70,6 +70,10 @@ def test_jetrl_unified_selects_jetrls_engine_and_rollout(ckpt):
     cfg = compose(_base(ckpt) + ["jetrl.engine_ops=vllm"])
     validate(cfg)
     assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.JETRL_ENGINE_OPS == "vllm"
+    # fused: every worker (the actor fuses its producers, jetrl.verl.engine; the rollout runs the fused engine)
+    cfg = compose(_base(ckpt) + ["jetrl.engine_ops=fused"])
+    validate(cfg)
+    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.JETRL_ENGINE_OPS == "fused"
 
 
 def test_engine_ops_auto_refuses_an_architecture_without_a_matched_engine(ckpt, tmp_path):
@@ -91,8 +95,9 @@ def test_engine_ops_auto_refuses_an_architecture_without_a_matched_engine(ckpt, 
 @pytest.mark.parametrize(
     ("extra", "named"),
     [
-        (["jetrl.engine_ops=fused"], r"jetrl\.engine_ops='fused'.*no fused producers"),
+        (["jetrl.engine_ops=fast"], r"jetrl\.engine_ops='fast': choose one of \('auto', 'vllm', 'hf', 'fused'\)"),
         (["jetrl.engine_ops=hf", "jetrl.recipe=bf16"], r"jetrl\.engine_ops='hf' needs jetrl\.recipe=jetrl-unified"),
+        (["jetrl.engine_ops=fused", "jetrl.recipe=bf16"], r"engine_ops='fused' needs jetrl\.recipe=jetrl-unified"),
     ],
 )
 def test_engine_ops_are_validated_naming_the_key(ckpt, extra, named):
@@ -125,6 +130,7 @@ def test_strict_numerics_set_the_batch_invariant_engine_and_raw_log_probs(ckpt):
         (["jetrl.numerics=bitwise"], r"jetrl\.numerics='bitwise': choose 'hf' or 'strict'"),
         (["jetrl.recipe=bf16"], r"jetrl\.numerics=strict needs jetrl\.recipe=jetrl-unified.*recipe=bf16"),
         (["jetrl.engine_ops=vllm"], r"needs jetrl\.recipe=jetrl-unified with jetrl\.engine_ops=hf.*engine_ops=vllm"),
+        (["jetrl.engine_ops=fused"], r"needs jetrl\.recipe=jetrl-unified with jetrl\.engine_ops=hf.*engine_ops=fused"),
         (["actor_rollout_ref.model.use_remove_padding=true"], r"model\.use_remove_padding=True: .*needs False"),
         (["actor_rollout_ref.model.use_fused_kernels=true"], r"model\.use_fused_kernels=True"),
         (["actor_rollout_ref.rollout.temperature=0.7"], r"rollout\.temperature=0\.7: .*needs 1\.0"),
@@ -389,6 +395,15 @@ def test_the_unified_lint_starts_its_engine_as_the_rollout_will_run(ckpt, monkey
         "rollout": "jetrl-vllm",
         "engine_kwargs": {"enforce_eager": eager, "engine_ops": "hf"},
     }
+
+
+@pytest.mark.vllm
+def test_the_unified_lint_passes_with_the_fused_engine(ckpt, capsys):
+    """jetrl.engine_ops=fused: the gate's live engine runs the fused producers (the actor fuses its own, the lint's
+    trainer side does not: fused norm/SwiGLU + quantize is the same precision flow) and the lint passes."""
+    cfg = compose(_base(ckpt) + ["jetrl.engine_ops=fused", "actor_rollout_ref.rollout.enforce_eager=true"])
+    validate(cfg)
+    assert lint_gate(cfg) == 0, capsys.readouterr().out[-3000:]
 
 
 def _entrypoint(args, cwd):

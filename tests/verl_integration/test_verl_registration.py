@@ -94,6 +94,9 @@ def test_server_runs_jetrls_method_with_the_extension(monkeypatch):
     monkeypatch.setenv("JETRL_ENGINE_OPS", "hf")
     _, overrides = server._apply_quantization()
     assert overrides["architectures"] == ["JetrlQwen3ForCausalLM"] and overrides["jetrl_ops"] == "hf"
+    monkeypatch.setenv("JETRL_ENGINE_OPS", "fused")  # the actor fuses its producers too (test_verl_fused)
+    _, overrides = server._apply_quantization()
+    assert overrides["architectures"] == ["JetrlQwen3ForCausalLM"] and overrides["jetrl_ops"] == "fused"
     server.config = types.SimpleNamespace(quantization="fp8")
     with pytest.raises(ValueError, match=r"actor_rollout_ref\.rollout\.quantization='fp8'"):
         server._apply_quantization()
