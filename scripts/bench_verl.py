@@ -7,7 +7,8 @@ FSDP2 world size 1, vLLM TP 1), same seed for every recipe, each in its own proc
 
 Runs: ``jetrl-unified`` (with ``ENGINE_OPS=vllm``: vLLM's own model, the recipe's default before
 ``jetrl.engine_ops: auto``), ``jetrl-unified-hf-ops`` (``ENGINE_OPS=hf``, what ``auto`` picks for jetrl-unified:
-the rollout engine runs the actor's norms, RoPE and SiLU-and-mul), ``jetrl-unified-strict`` (``ENGINE_OPS=hf
+the rollout engine runs the actor's norms, RoPE and SiLU-and-mul), ``jetrl-unified-fused-ops`` (``ENGINE_OPS=fused``:
+the same through jetrl's fused producer kernels, in the actor too), ``jetrl-unified-strict`` (``ENGINE_OPS=hf
 NUMERICS=strict``: the actor's attention and log-probs through vLLM's kernels, both sides batch-invariant;
 its ``mismatch/logp_equal_share`` is the share of bit-equal tokens), ``naive-fp8-rollout``, ``bf16`` (``auto``
 gives them vLLM's own model).
@@ -42,12 +43,20 @@ from jetrl.verl.metrics import METRIC_KEYS, is_metric_key
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE_SCRIPT = ROOT / "recipes" / "tiny-arith-verl.sh"
-RECIPES = ("jetrl-unified", "jetrl-unified-hf-ops", "jetrl-unified-strict", "naive-fp8-rollout", "bf16")
+RECIPES = (
+    "jetrl-unified",
+    "jetrl-unified-hf-ops",
+    "jetrl-unified-fused-ops",
+    "jetrl-unified-strict",
+    "naive-fp8-rollout",
+    "bf16",
+)
 """Runs by name; each is a jetrl recipe, `ENGINE_OPS` / `NUMERICS` below say which engine model it rolls out with
 and which numerics its actor runs."""
-ENGINE_OPS = {"jetrl-unified-hf-ops": "hf", "jetrl-unified-strict": "hf"}
+ENGINE_OPS = {"jetrl-unified-hf-ops": "hf", "jetrl-unified-fused-ops": "fused", "jetrl-unified-strict": "hf"}
 """Runs whose rollout engine runs the actor's ops between the Linears (``jetrl.engine_ops``,
-`jetrl.rollout.vllm_model`): ``jetrl-unified-hf-ops`` is jetrl-unified with ``ENGINE_OPS=hf``."""
+`jetrl.rollout.vllm_model`): ``jetrl-unified-hf-ops`` is jetrl-unified with ``ENGINE_OPS=hf``,
+``jetrl-unified-fused-ops`` with ``ENGINE_OPS=fused`` (the actor and the engine through jetrl's fused producers)."""
 NUMERICS = {"jetrl-unified-strict": "strict"}
 """Runs with ``jetrl.numerics=strict`` (`jetrl.verl.engine`); the others run 'hf'."""
 PHASES = {
@@ -383,6 +392,11 @@ RATIOS = {
     ("jetrl-unified", "bf16"): ("unified_over_bf16_mean_dlogp", "unified / bf16"),
     ("jetrl-unified-hf-ops", "naive-fp8-rollout"): ("unified_hf_ops_over_naive_mean_dlogp", "unified-hf-ops / naive"),
     ("jetrl-unified-hf-ops", "bf16"): ("unified_hf_ops_over_bf16_mean_dlogp", "unified-hf-ops / bf16"),
+    ("jetrl-unified-fused-ops", "naive-fp8-rollout"): (
+        "unified_fused_ops_over_naive_mean_dlogp",
+        "unified-fused-ops / naive",
+    ),
+    ("jetrl-unified-fused-ops", "bf16"): ("unified_fused_ops_over_bf16_mean_dlogp", "unified-fused-ops / bf16"),
 }
 """(run, baseline) -> (result key, printed name) of the run's mean |dlogp| over the baseline's."""
 

@@ -154,6 +154,8 @@ def test_the_hf_ops_run_is_jetrl_unified_with_the_trainer_s_ops_in_the_engine(be
     assert (env["RECIPE"], env["ENGINE_OPS"]) == ("jetrl-unified", "hf") and "ENGINE_OPS=hf" in shown
     _, env, shown = bench.recipe_command(args, "jetrl-unified", Path("l"))
     assert (env["RECIPE"], env["ENGINE_OPS"]) == ("jetrl-unified", "vllm") and "ENGINE_OPS" not in shown
+    _, env, shown = bench.recipe_command(args, "jetrl-unified-fused-ops", Path("l"))
+    assert (env["RECIPE"], env["ENGINE_OPS"]) == ("jetrl-unified", "fused") and "ENGINE_OPS=fused" in shown
     assert env["NUMERICS"] == "hf" and "NUMERICS" not in shown
 
 
