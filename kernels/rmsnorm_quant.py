@@ -310,11 +310,7 @@ def launch_add_rmsnorm_quant(
     same kernel: ``(y, q, s, sum)``, the sum ``[M, K]`` x.dtype contiguous (the residual stream out).
     `residual`: x's shape and dtype, last-dim stride 1."""
     check_matrix(residual, f"{name} (residual)", OP_ADD)
-    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
-        raise ValueError(
-            f"{OP_ADD}: residual {residual.dtype} {tuple(residual.shape)} on {residual.device} must match {name} "
-            f"{x.dtype} {tuple(x.shape)} on {x.device}"
-        )
+    _check_residual(x, residual, name)
     y, q, s, _, total = _launch(x, residual, weight, eps, scale_layout, name, precast, config)
     return y, q, s, total
 
@@ -433,6 +429,14 @@ def _check_weight(weight: torch.Tensor, x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{OP}: weight for {name} must be contiguous")
 
 
+def _check_residual(x: torch.Tensor, residual: torch.Tensor, name: str) -> None:
+    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+        raise ValueError(
+            f"{OP_ADD}: residual {residual.dtype} {tuple(residual.shape)} on {residual.device} must match {name} "
+            f"{x.dtype} {tuple(x.shape)} on {x.device}"
+        )
+
+
 def _check_backward(dy, x, weight, rstd) -> None:
     check_matrix(x, "x", OP_BWD)
     check_matrix(dy, "dy", OP_BWD)
@@ -470,10 +474,7 @@ def torch_add_rmsnorm_quant(
     name: str = "x",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference: ``total = residual + x`` in eager torch, then `torch_rmsnorm_quant` of it: (y, q, s, total)."""
-    if residual.shape != x.shape or residual.dtype != x.dtype:
-        raise ValueError(
-            f"{OP_ADD}: residual {residual.dtype} {tuple(residual.shape)} must match {name} {x.dtype} {tuple(x.shape)}"
-        )
+    _check_residual(x, residual, name)
     total = residual + x
     y, q, s, _ = torch_rmsnorm_quant(total, weight, eps, scale_layout=scale_layout, name=name)
     return y, q, s, total
