@@ -361,8 +361,11 @@ def create_engine(
     """Start a vLLM engine that rolls out with `recipe`'s rollout precision.
 
     `rollout`: ``"jetrl"`` (jetrl's vLLM methods) or ``"stock"`` (`stock_vllm_settings`). `backend`:
-    the `jetrl.gemm` backend of ``jetrl_fp8``. `in_process` sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0``
-    (needed by `Engine.apply` and the weight sync; False sets it to 1). `engine_ops` ``"hf"`` / ``"fused"``
+    the `jetrl.gemm` backend of ``jetrl_fp8``. `in_process` sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine
+    core in this process; the lint's capture needs it); False sets it to 1 and lets `Engine.apply` send its
+    functions to the engine's processes (with ``distributed_executor_backend="mp"`` the model runs in a worker
+    process: `jetrl train`'s ``rollout.executor: mp``; the weight sync reaches it in `jetrl.rollout.transfer`
+    parcels). `engine_ops` ``"hf"`` / ``"fused"``
     runs the trainer's ops between the Linears inside vLLM (`jetrl.rollout.vllm_model`; ``"vllm"``: vLLM's own model).
     `strict`: vLLM's batch-invariant mode with `strict_engine_settings` (`jetrl.rollout.engine_strict`; CUDA,
     with ``engine_ops`` 'hf' or 'fused', so that every op is the trainer's or batch-invariant). `cpu_amx`
@@ -380,6 +383,10 @@ def create_engine(
         raise ValueError("create_engine(cpu_amx=False, rollout='stock'): vLLM's CPU FP8 path needs AMX")
     # set either way: an earlier in-process engine of this process left "0" in the environment
     env: dict[str, str] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
+    if not in_process:
+        # `Engine.apply` sends jetrl's own module-level functions (and `functools.partial`s of them) to the engine
+        # core and worker processes this call starts, over local sockets; vLLM's msgpack carries them only as pickles
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     args: dict[str, Any] = {"dtype": "bfloat16"}
     ckpt_qc = _checkpoint_quant_config(model_path)
     if rollout == "stock":
@@ -444,6 +451,19 @@ def _check_nonfinite(_model) -> None:
     check_rollout_nonfinite()
 
 
+def _nonfinite_message(_model) -> str | None:
+    """In a worker process: `check_rollout_nonfinite` of its methods' and kernels' flags (the Triton kernels'
+    flags are that process's), as the error's message or None (the caller raises it, naming the worker)."""
+    from jetrl.quant import NonFiniteError
+    from jetrl.rollout.methods import check_rollout_nonfinite
+
+    try:
+        check_rollout_nonfinite(kernels=True)
+    except NonFiniteError as e:
+        return str(e)
+    return None
+
+
 def _attention_isas(model) -> set[str]:
     return {m.isa for m in model.modules() if isinstance(getattr(m, "isa", None), str)}
 
@@ -479,14 +499,8 @@ class Engine:
         self.start_seconds = start_seconds
         """Wall seconds ``vllm.LLM(...)`` took (model load, quantization, KV cache, warm-up)."""
         self._asleep = False
-        if in_process:
-            # vLLM's start-up runs (profiling, CUDA-graph capture) compute on dummy data: not the user's inputs
-            self.apply(_reset_nonfinite)
-        else:
-            _log.warning(
-                "jetrl rollout: engine runs out of process; on CUDA the rollout Linears' non-finite flags live in its "
-                "workers and Engine.generate cannot read them (NaN/Inf inputs there go unreported)"
-            )
+        # vLLM's start-up runs (profiling, CUDA-graph capture) compute on dummy data: not the user's inputs
+        self.apply(_reset_nonfinite if in_process else _nonfinite_message)
 
     @property
     def kv_cache_tokens(self) -> int | None:
@@ -554,11 +568,17 @@ class Engine:
 
     def check_nonfinite(self) -> None:
         """Raise `jetrl.quant.NonFiniteError` naming each rollout Linear whose input held NaN/Inf since the
-        last check (the device flags the jetrl methods set inside the compiled graph). In-process engines
-        only (an out-of-process engine's flags stay in its workers; `create_engine` warns)."""
-        if not self.in_process:
-            return  # flags live in the worker processes (warned at creation)
-        self.apply(_check_nonfinite)
+        last check (the device flags the jetrl methods set inside the compiled graph). In process these are the
+        methods' flags (the trainer reads the kernels' own); an engine in other processes reads each worker's
+        methods' and kernels' flags there and the error names the worker."""
+        if self.in_process:
+            self.apply(_check_nonfinite)
+            return
+        from jetrl.quant import NonFiniteError
+
+        bad = [f"worker {w}: {msg}" for w, msg in enumerate(self.apply(_nonfinite_message)) if msg]
+        if bad:
+            raise NonFiniteError("; ".join(bad))
 
     def apply(self, fn: Callable[[Any], Any]) -> list[Any]:
         """Run ``fn(model)`` on the model in every worker (vLLM ``LLM.apply_model``); one result per worker."""

@@ -23,9 +23,12 @@ order-independent so CPU and GPU agree, and it runs on the tensor's device (on C
 bytes by `jetrl.kernels.digest`; every digest of a sync comes back in one host transfer). Not
 cryptographic: it guards against bugs, not adversaries.
 
-The copy runs inside the engine (`Engine.apply`, vLLM's ``apply_model``) on an in-process engine, so
-trainer and engine tensors live in one process (colocated on one GPU, or on the CPU). vLLM-free: the
-engine side is reached only through `jetrl.rollout.adapter.Engine`.
+The copy runs inside the engine (`Engine.apply`, vLLM's ``apply_model``). With an in-process engine trainer
+and engine tensors live in one process (colocated on one GPU, or on the CPU) and the payload is handed over as
+it is; an engine in other processes (vLLM's engine core and worker processes) receives it in byte buffers of
+at most 1 GiB (`jetrl.rollout.transfer`: CUDA IPC handles on a GPU, so the worker copies from the trainer's
+memory), and the digests prove the bytes either way. vLLM-free: the engine side is reached only through
+`jetrl.rollout.adapter.Engine`.
 """
 
 from __future__ import annotations
@@ -33,11 +36,13 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import torch
 
 from jetrl.recipe import BLOCK, Recipe
 from jetrl.rollout.methods import naive_quantize_weight
+from jetrl.rollout.transfer import DEFAULT_BUCKET_BYTES, Parcel, pack_buckets
 
 __all__ = [
     "WeightSyncError",
@@ -296,8 +301,11 @@ def _expected_digests(payload: dict, placements: list[Placement], recipe: Recipe
     return tensor_digests(out)
 
 
-def _engine_side(model, placements: list[Placement], recipe: Recipe, payload: dict | None, digest: bool):
-    """Runs inside the engine: copy `payload` (when given) into place; digest what is there if `digest`."""
+def _engine_side(model, placements: list[Placement], recipe: Recipe, payload: dict | Parcel | None, digest: bool):
+    """Runs inside the engine: copy `payload` (when given; a `Parcel` is opened) into place; digest what is
+    there if `digest`."""
+    if isinstance(payload, Parcel):
+        payload = payload.open()
     placed = {}
 
     def put(key, t):
@@ -360,8 +368,6 @@ class _Prepared:
 
 
 def _prepare(trainer_model, engine, recipe: Recipe) -> _Prepared:
-    if not engine.in_process:
-        raise WeightSyncError("weight sync needs an in-process engine (create_engine(..., in_process=True))")
     if engine.recipe.name != recipe.name:
         raise WeightSyncError(f"engine runs recipe {engine.recipe.name!r} but the sync was asked for {recipe.name!r}")
     t0 = time.perf_counter()
@@ -371,28 +377,53 @@ def _prepare(trainer_model, engine, recipe: Recipe) -> _Prepared:
     return _Prepared(payload, placements, export_seconds=export_seconds)
 
 
+def _digester(placements: list[Placement], recipe: Recipe):
+    """What `Engine.apply` runs to digest the engine's placed tensors (a partial: picklable to worker processes)."""
+    return partial(_engine_side, placements=placements, recipe=recipe, payload=None, digest=True)
+
+
+def _install(engine, prep: _Prepared, recipe: Recipe, bucket_bytes: int) -> None:
+    """Copy the payload into the engine: as it is in process, else parcel by parcel (`jetrl.rollout.transfer`),
+    each with the placements of its entries (a per-tensor-quantized weight's parts travel together)."""
+    if engine.in_process:
+        engine.apply(
+            partial(_engine_side, placements=prep.placements, recipe=recipe, payload=prep.payload, digest=False)
+        )
+        return
+    groups: dict[str, list[str]] = {}
+    for p in prep.placements:
+        groups.setdefault(p.engine_param if p.kind == "naive" else p.hf_name, []).append(p.hf_name)
+    by_name = {p.hf_name: p for p in prep.placements}
+    for names, parcel in pack_buckets(prep.payload, groups.values(), bucket_bytes):
+        placements = [by_name[n] for n in names]
+        engine.apply(partial(_engine_side, placements=placements, recipe=recipe, payload=parcel, digest=False))
+        del parcel
+
+
 def verify_weights(trainer_model, engine, recipe: Recipe | str) -> int:
     """Compare digests of every placed tensor on both sides without copying; returns how many were
     compared. Raises `WeightSyncError` naming each parameter that differs."""
     recipe = recipe if isinstance(recipe, Recipe) else Recipe.from_name(recipe)
     prep = _prepare(trainer_model, engine, recipe)
     expected = _expected_digests(prep.payload, prep.placements, recipe)
-    got = engine.apply(lambda m: _engine_side(m, prep.placements, recipe, None, True))
-    _compare(expected, got)
+    _compare(expected, engine.apply(_digester(prep.placements, recipe)))
     return len(expected)
 
 
-def sync_weights(trainer_model, engine, recipe: Recipe | str) -> SyncReport:
-    """Copy the trainer's weights into the engine in place and prove byte equality (see module docstring)."""
+def sync_weights(
+    trainer_model, engine, recipe: Recipe | str, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> SyncReport:
+    """Copy the trainer's weights into the engine in place and prove byte equality (see module docstring).
+    `bucket_bytes`: the most payload bytes one parcel carries to an engine in other processes."""
     recipe = recipe if isinstance(recipe, Recipe) else Recipe.from_name(recipe)
     t0 = time.perf_counter()
     prep = _prepare(trainer_model, engine, recipe)
     t1 = time.perf_counter()
-    engine.apply(lambda m: _engine_side(m, prep.placements, recipe, prep.payload, False))
+    _install(engine, prep, recipe, bucket_bytes)
     engine.finalize_weight_update()
     t2 = time.perf_counter()
     expected = _expected_digests(prep.payload, prep.placements, recipe)
-    _compare(expected, engine.apply(lambda m: _engine_side(m, prep.placements, recipe, None, True)))
+    _compare(expected, engine.apply(_digester(prep.placements, recipe)))
     t3 = time.perf_counter()
     nbytes = sum((v[0].nbytes + v[1].nbytes) if isinstance(v, tuple) else v.nbytes for v in prep.payload.values())
     mode = next((p.kind for p in prep.placements if p.kind in ("fp8", "naive")), "bf16")

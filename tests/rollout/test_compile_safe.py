@@ -227,7 +227,7 @@ class _FakeLLM:
         return [fn(None)]
 
 
-def test_engine_clears_start_up_flags_and_checks_them_after_generate(caplog):
+def test_engine_clears_start_up_flags_and_checks_them_after_generate():
     from jetrl.rollout.adapter import Engine
 
     x, w = _operands()
@@ -240,9 +240,15 @@ def test_engine_clears_start_up_flags_and_checks_them_after_generate(caplog):
     naive_forward_impl(bad, w_q, w_s, None, ACT, "model.layers.1.mlp.up:input", defer=True)
     with pytest.raises(NonFiniteError, match=r"model\.layers\.1\.mlp\.up:input"):
         engine.check_nonfinite()
-    with caplog.at_level("WARNING"):
-        Engine(_FakeLLM(), NAIVE, rollout="jetrl", in_process=False, start_seconds=0.0)
-    assert "out of process" in caplog.text
+    # an engine in other processes (the fake runs `fn` here): each worker reads its own flags, kernels' too, and
+    # the error names the worker
+    naive_forward_impl(bad, w_q, w_s, None, ACT, "warmup.layer:input", defer=True)
+    remote = Engine(_FakeLLM(), NAIVE, rollout="jetrl", in_process=False, start_seconds=0.0)
+    remote.check_nonfinite()  # cleared at creation
+    naive_forward_impl(bad, w_q, w_s, None, ACT, "model.layers.0.self_attn.o:input", defer=True)
+    with pytest.raises(NonFiniteError, match=r"worker 0: .*model\.layers\.0\.self_attn\.o:input"):
+        remote.check_nonfinite()
+    remote.check_nonfinite()  # the check cleared them
 
 
 # -- GPU: CUDA graphs -------------------------------------------------------------------------------

