@@ -128,6 +128,7 @@ def _config(args, recipe: str, model_path: str, out_dir: str) -> dict:
             "engine_ops": "hf"
             if args.engine_ops == "fused" and not Recipe.from_name(recipe).train_fp8
             else args.engine_ops,
+            "executor": args.rollout_executor,
         },
         "algo": {
             "name": "grpo",
@@ -284,9 +285,10 @@ CONFIG_KEYS = (
     "backend",
     "seed",
     "attn",
+    "rollout_executor",
 )
 """The options a comparison holds fixed (recorded; `merge` refuses results that differ in them)."""
-ADDED_KEYS = {"engine_ops": "vllm", "numerics": "hf", "attn": "sdpa", "min_tokens": None}
+ADDED_KEYS = {"engine_ops": "vllm", "numerics": "hf", "attn": "sdpa", "min_tokens": None, "rollout_executor": "uni"}
 """`CONFIG_KEYS` added after results were committed, with the value those older results ran with."""
 
 
@@ -337,6 +339,13 @@ def parse_args(argv: list[str] | None):
         default="hf",
         help="the trainer's numerics (model.numerics; 'strict': jetrl.rollout.engine_strict, CUDA, needs --engine-ops "
         "hf or fused); 'hf,strict' runs each recipe both ways, each in its own process, and reports strict/hf",
+    )
+    p.add_argument(
+        "--rollout-executor",
+        choices=("uni", "mp"),
+        default="uni",
+        help="where the engine runs (rollout.executor): 'uni' in the trainer's process (default), 'mp' in vLLM's "
+        "engine-core and worker processes, as verl runs it (the syncs travel as CUDA IPC handles)",
     )
     p.add_argument("--cuda-graphs", action="store_true", help="let vLLM capture CUDA graphs (enforce_eager=False)")
     p.add_argument(

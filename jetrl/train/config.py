@@ -177,9 +177,15 @@ class RolloutConfig:
     numerics 'hf' or 'strict' -- on the H200 they bring its mismatch from 4.0x to 0.94x the bf16 recipe's
     (README) -- else 'vllm' (the baselines roll out with vLLM's own model; on CPU ``numerics: vllm-cpu``
     matches the trainer to vLLM instead)."""
+    executor: str = "uni"
+    """Where the engine runs: 'uni' in the trainer's process (vLLM's in-process engine with its uni-process
+    executor), 'mp' in processes of its own -- vLLM's engine core and a worker process, as verl's rollout servers
+    run it: the engine core schedules while the worker runs the model and this process handles outputs. The
+    weight sync reaches the worker through CUDA IPC handles of the trainer's bytes on a GPU (by value on a CPU),
+    digests proving the bytes either way; the lint starts its own in-process engine before the rollout's."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments for `jetrl.rollout.adapter.create_engine`; none may move the model out of the
-    trainer's process (`IN_PROCESS_ENGINE_KEYS`: no worker executor, tensor / pipeline / data parallelism)."""
+    """Extra keyword arguments for `jetrl.rollout.adapter.create_engine`; none may set vLLM's executor or
+    parallelism (`ENGINE_PLACEMENT_KEYS`: ``rollout.executor`` chooses the executor; one engine, one device)."""
     ignore_eos: bool = False
     """Generate every response to `max_tokens` (benchmarks: stable token counts; such responses never
     finish with 'stop', so they earn no reward)."""
@@ -499,7 +505,18 @@ def _check_values(cfg: TrainConfig) -> None:
         )
     if "engine_ops" in cfg.rollout.engine_kwargs:
         raise _fail("rollout.engine_kwargs", "engine_ops is the key rollout.engine_ops")
-    _check_engine_in_process(cfg.rollout.engine_kwargs)
+    if cfg.rollout.executor not in ("uni", "mp"):
+        raise _fail("rollout.executor", f"{cfg.rollout.executor!r}: choose 'uni' or 'mp'")
+    if cfg.rollout.executor == "mp" and cfg.model.numerics in ("vllm-cpu", "strict"):
+        why = {
+            "vllm-cpu": "matches vLLM's CPU kernels by probing them in the trainer's process",
+            "strict": "sets vLLM's batch-invariant mode in the trainer's process",
+        }[cfg.model.numerics]
+        raise _fail(
+            "rollout.executor",
+            f"'mp' runs the engine in other processes; model.numerics={cfg.model.numerics!r} {why} (use 'uni')",
+        )
+    _check_engine_placement(cfg.rollout.engine_kwargs)
     if cfg.model.path is not None and cfg.model.tiny:
         raise _fail("model.tiny", "overrides for the embedded tiny model cannot be combined with model.path")
     if t.name not in ("arithmetic", "parquet"):
@@ -620,25 +637,31 @@ def _resolve_auto(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
-IN_PROCESS_ENGINE_KEYS = {
-    "distributed_executor_backend": (None, "uni"),
+ENGINE_PLACEMENT_KEYS = {
+    "distributed_executor_backend": (),
     "tensor_parallel_size": (1,),
     "pipeline_parallel_size": (1,),
     "data_parallel_size": (1,),
 }
-"""``rollout.engine_kwargs`` that would move the model out of the trainer's process, and the values that keep it
-in: `jetrl train` reaches the engine's model directly (the byte-verified weight sync and the lint's capture pass
-it Python closures, which cannot be sent to another process)."""
+"""``rollout.engine_kwargs`` that place vLLM's engine, and the values allowed there: the executor is
+``rollout.executor``'s choice, and `jetrl train` runs one engine on one device (tensor-parallel and multi-GPU
+rollouts run through verl: ``python -m jetrl.verl``)."""
 
 
-def _check_engine_in_process(engine_kwargs: dict[str, Any]) -> None:
-    for key, keep in IN_PROCESS_ENGINE_KEYS.items():
+def _check_engine_placement(engine_kwargs: dict[str, Any]) -> None:
+    if "distributed_executor_backend" in engine_kwargs:
+        raise _fail(
+            "rollout.engine_kwargs.distributed_executor_backend",
+            f"{engine_kwargs['distributed_executor_backend']!r}: the engine's executor is the key rollout.executor "
+            "('uni': in the trainer's process, 'mp': in processes of its own)",
+        )
+    for key, keep in ENGINE_PLACEMENT_KEYS.items():
         if key in engine_kwargs and engine_kwargs[key] not in keep:
             raise _fail(
                 f"rollout.engine_kwargs.{key}",
-                f"{engine_kwargs[key]!r} would run the model in vLLM worker processes; jetrl train syncs weights into "
-                f"and lints the engine's model in its own process (allowed: {', '.join(map(repr, keep))}). "
-                "Tensor-parallel and multi-GPU rollouts run through verl: python -m jetrl.verl",
+                f"{engine_kwargs[key]!r}: jetrl train runs one engine on one device (allowed: "
+                f"{', '.join(map(repr, keep))}). Tensor-parallel and multi-GPU rollouts run through verl: "
+                "python -m jetrl.verl",
             )
 
 

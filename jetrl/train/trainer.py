@@ -253,6 +253,13 @@ class Trainer:
         from jetrl.rollout.adapter import create_engine
 
         r = cfg.rollout
+        in_process = r.executor == "uni"
+        engine_kwargs = {"engine_ops": r.engine_ops, **({} if self.verbose else {"use_tqdm_on_load": False})}
+        engine_kwargs.update(r.engine_kwargs)
+        if cfg.lint.enabled and not in_process:
+            # the lint captures the rollout graph inside an engine of this process: its own, started and closed
+            # before the rollout's engine takes its share of the device
+            self._lint(engine_kwargs)
         self.engine = create_engine(
             self.init_path,
             self.recipe,
@@ -260,14 +267,16 @@ class Trainer:
             gpu_memory_utilization=r.gpu_memory_utilization,
             max_model_len=r.max_model_len,
             backend=cfg.run.gemm_backend,
-            engine_ops=r.engine_ops,
+            in_process=in_process,
             strict=cfg.model.numerics == "strict",
             cpu_amx=cfg.model.numerics != "vllm-cpu",  # vLLM's AMX kernels are not what the trainer matches
-            **{**({} if self.verbose else {"use_tqdm_on_load": False}), **r.engine_kwargs},
+            **engine_kwargs,
+            **({} if in_process else {"distributed_executor_backend": "mp"}),
         )
-        self.log(f"engine: {self.engine.quantization or 'bf16'} started in {self.engine.start_seconds:.1f}s")
+        where = "in this process" if in_process else "in its own processes (executor mp)"
+        self.log(f"engine: {self.engine.quantization or 'bf16'} started {where} in {self.engine.start_seconds:.1f}s")
         self._check_numerics_path()
-        if cfg.lint.enabled:
+        if cfg.lint.enabled and in_process:
             self._lint()
         rep = self._sync()
         self.log(f"initial sync: {rep.bytes / 2**20:.2f} MiB, {rep.n_params} tensors, digests equal")
@@ -310,7 +319,9 @@ class Trainer:
                 f"rollout log-probs will differ by more than the FP8 recipe's own rounding ({path.reason})"
             )
 
-    def _lint(self) -> None:
+    def _lint(self, engine_kwargs: dict | None = None) -> None:
+        """Run the precision lint on the live in-process engine, or (`engine_kwargs` given) on an in-process engine
+        of its own started with them."""
         from jetrl.lint.api import lint
         from jetrl.lint.builders import probe_ids
 
@@ -333,7 +344,8 @@ class Trainer:
             self.recipe,
             rollout="jetrl-vllm",
             numeric=self.cfg.lint.numeric,
-            engine=self.engine,
+            engine=self.engine if engine_kwargs is None else None,
+            engine_kwargs=engine_kwargs,
             probe=probe,
             backend=self.cfg.run.gemm_backend,
             training=training,

@@ -149,6 +149,19 @@ def test_strict_and_hf_runs_of_a_recipe_give_the_strict_cost(bench, tmp_path, ca
     assert bench.run_key("bf16", "hf") == "bf16"
 
 
+def test_rollout_executor_is_the_configs_and_held_fixed(bench):
+    """--rollout-executor sets rollout.executor for both recipes (a held-fixed option; older results ran 'uni')."""
+    from jetrl.train.config import config_from_dict
+
+    args = bench.parse_args(["--rollout-executor", "mp"])
+    for recipe in ("bf16", "jetrl-unified"):
+        cfg = bench._config(args, recipe, "/m", "/r")
+        cfg["model"]["path"] = None
+        assert config_from_dict(cfg).rollout.executor == "mp"
+    assert bench.parse_args([]).rollout_executor == "uni"
+    assert "rollout_executor" in bench.CONFIG_KEYS and bench.ADDED_KEYS["rollout_executor"] == "uni"
+
+
 def test_merge_reads_older_results_without_the_later_options(bench, tmp_path):
     """A result written before an option existed ran with the value `ADDED_KEYS` gives it: it merges with a
     new run of that value and is refused beside one of another (strict numerics, varied response lengths)."""

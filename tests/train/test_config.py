@@ -101,13 +101,29 @@ def test_bad_config_names_field(raw, field):
     assert str(ei.value).startswith(field + ":"), str(ei.value)
 
 
-def test_the_engine_stays_in_the_trainers_process():
-    """jetrl train hands the engine's model Python closures (weight sync, lint capture): engine_kwargs that
-    would put it in worker processes are refused with the way to a multi-process rollout; in-process values pass."""
-    kept = {"distributed_executor_backend": "uni", "tensor_parallel_size": 1, "enforce_eager": False}
+def test_one_engine_on_one_device_its_executor_from_rollout_executor():
+    """jetrl train runs one engine on one device: its executor is rollout.executor ('uni' / 'mp'), never an
+    engine_kwargs key; tensor parallelism points to verl; the numerics that set up vLLM in the trainer's own
+    process refuse an engine in other processes."""
+    kept = {"tensor_parallel_size": 1, "enforce_eager": False}
     assert config_from_dict({"rollout": {"engine_kwargs": kept}}).rollout.engine_kwargs == kept
-    with pytest.raises(ConfigError, match=r"'mp' would run the model in vLLM worker processes.*python -m jetrl\.verl"):
-        config_from_dict({"rollout": {"engine_kwargs": {"distributed_executor_backend": "mp"}}})
+    assert config_from_dict({"rollout": {"executor": "mp"}, "model": {"numerics": "hf"}}).rollout.executor == "mp"
+    assert config_from_dict({}).rollout.executor == "uni"
+    with pytest.raises(ConfigError, match=r"executor is the key rollout\.executor"):
+        config_from_dict({"rollout": {"engine_kwargs": {"distributed_executor_backend": "uni"}}})
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size: 2: .*python -m jetrl\.verl"):
+        config_from_dict({"rollout": {"engine_kwargs": {"tensor_parallel_size": 2}}})
+    with pytest.raises(ConfigError, match=r"rollout\.executor: 'ray': choose 'uni' or 'mp'"):
+        config_from_dict({"rollout": {"executor": "ray"}})
+    with pytest.raises(ConfigError, match=r"rollout\.executor: 'mp' .*model\.numerics='vllm-cpu'.*\(use 'uni'\)"):
+        config_from_dict({"rollout": {"executor": "mp"}, "model": {"numerics": "vllm-cpu"}})
+    strict = {
+        "model": {"numerics": "strict"},
+        "run": {"device": "cuda"},
+        "rollout": {"engine_ops": "hf", "executor": "mp"},
+    }
+    with pytest.raises(ConfigError, match=r"rollout\.executor: 'mp' .*model\.numerics='strict'"):
+        config_from_dict(strict)
 
 
 def test_strict_numerics_pairs_with_the_trainers_ops_in_the_engine():
