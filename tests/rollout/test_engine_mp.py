@@ -4,6 +4,7 @@ proven by digests read there, per-tensor-quantized weights keep their parts toge
 in-process engine with the same weights samples."""
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
@@ -36,11 +37,30 @@ def _samples(engine):
     return [(s.response_ids, s.response_logprobs) for s in engine.generate(PROMPTS, n=2, max_tokens=6, seed=5)]
 
 
-@pytest.mark.parametrize("recipe_name", ["jetrl-unified", "naive-fp8-rollout"])
-def test_sync_to_an_engine_in_other_processes_is_byte_verified(ckpt, recipe_name):
+CASES = [
+    pytest.param("cpu", "jetrl-unified", id="unified"),
+    pytest.param("cpu", "naive-fp8-rollout", id="naive"),
+    pytest.param(
+        "cuda",
+        "jetrl-unified",
+        id="gpu-unified",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA IPC parcels)"),
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize(("device", "recipe_name"), CASES)
+def test_sync_to_an_engine_in_other_processes_is_byte_verified(ckpt, device, recipe_name):
+    """The trainer's payload reaches the worker in 64 KiB parcels (the bytes themselves from a CPU trainer, CUDA
+    IPC handles of the trainer's memory from a GPU one), the digests read in the worker equal the trainer's, and
+    the engine then samples what an in-process engine synced from the same trainer samples."""
     recipe = Recipe.from_name(recipe_name)
-    trainer = _trainer(recipe)
-    engine = create_engine(ckpt, recipe, seed=0, in_process=False, distributed_executor_backend="mp", **ENGINE_KW)
+    trainer = _trainer(recipe, device)
+    kw = ENGINE_KW if device == "cpu" else {**ENGINE_KW, "gpu_memory_utilization": 0.1}
+    engine = create_engine(ckpt, recipe, seed=0, in_process=False, distributed_executor_backend="mp", **kw)
     try:
         assert not engine.in_process
         with pytest.raises(WeightSyncError, match="engine worker 0 does not hold the trainer's bytes"):
@@ -53,29 +73,6 @@ def test_sync_to_an_engine_in_other_processes_is_byte_verified(ckpt, recipe_name
         )
         assert report.mode == ("block" if recipe_name == "jetrl-unified" else "naive")
         assert verify_weights(trainer, engine, recipe) == report.n_digests
-        remote = _samples(engine)
-    finally:
-        engine.close()
-    local_engine = create_engine(ckpt, recipe, seed=0, **ENGINE_KW)
-    try:
-        sync_weights(trainer, local_engine, recipe)
-        assert _samples(local_engine) == remote
-    finally:
-        local_engine.close()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (CUDA IPC parcels)")
-def test_gpu_sync_to_an_mp_engine_goes_by_cuda_ipc(ckpt):
-    """On a GPU the trainer's bytes reach vLLM's worker process as CUDA IPC handles of its own memory (no copy
-    through the host), in several parcels, and the digests read in the worker equal the trainer's."""
-    recipe = Recipe.from_name("jetrl-unified")
-    trainer = _trainer(recipe, "cuda")
-    kw = {**ENGINE_KW, "gpu_memory_utilization": 0.1}
-    engine = create_engine(ckpt, recipe, seed=0, in_process=False, distributed_executor_backend="mp", **kw)
-    try:
-        report = sync_weights(trainer, engine, recipe, bucket_bytes=BUCKET)
-        assert report.digests_equal and verify_weights(trainer, engine, recipe) == report.n_digests
         remote = _samples(engine)
     finally:
         engine.close()
