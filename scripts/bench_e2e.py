@@ -410,6 +410,11 @@ def parse_args(argv: list[str] | None):
             p.error(f"--{flag.replace('_', '-')} profiles CUDA kernels: not with --tiny")
     if args.profile_tokens < 1:
         p.error(f"--profile-tokens {args.profile_tokens} must be >= 1")
+    if args.profile_rollout and args.rollout_executor == "mp":
+        p.error("--profile-rollout profiles the engine in this process; with --rollout-executor mp the model runs in "
+                "vLLM's worker: bench_rollout.py --profile --multiprocess --executor mp")  # fmt: skip
+    if args.rollout_executor == "mp" and "strict" in numerics:
+        p.error("--rollout-executor mp: numerics strict sets vLLM up in the trainer's process (use uni)")
     args.prompts = args.prompts or (16 if args.tiny else 32)
     args.max_tokens = args.max_tokens or (16 if args.tiny else 512)
     if args.min_tokens is not None and not 1 <= args.min_tokens <= args.max_tokens:

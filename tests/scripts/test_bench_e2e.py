@@ -149,7 +149,7 @@ def test_strict_and_hf_runs_of_a_recipe_give_the_strict_cost(bench, tmp_path, ca
     assert bench.run_key("bf16", "hf") == "bf16"
 
 
-def test_rollout_executor_is_the_configs_and_held_fixed(bench):
+def test_rollout_executor_is_the_configs_and_held_fixed(bench, capsys):
     """--rollout-executor sets rollout.executor for both recipes (a held-fixed option; older results ran 'uni')."""
     from jetrl.train.config import config_from_dict
 
@@ -160,6 +160,11 @@ def test_rollout_executor_is_the_configs_and_held_fixed(bench):
         assert config_from_dict(cfg).rollout.executor == "mp"
     assert bench.parse_args([]).rollout_executor == "uni"
     assert "rollout_executor" in bench.CONFIG_KEYS and bench.ADDED_KEYS["rollout_executor"] == "uni"
+    for argv in (["--profile-rollout"], ["--numerics", "strict", "--engine-ops", "hf"]):
+        bench.parse_args(argv)  # fine with the in-process engine
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--rollout-executor", "mp", *argv])
+        assert "--rollout-executor mp" in capsys.readouterr().err
 
 
 def test_merge_reads_older_results_without_the_later_options(bench, tmp_path):
