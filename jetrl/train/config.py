@@ -638,14 +638,13 @@ def _resolve_auto(cfg: TrainConfig) -> TrainConfig:
 
 
 ENGINE_PLACEMENT_KEYS = {
-    "distributed_executor_backend": (),
     "tensor_parallel_size": (1,),
     "pipeline_parallel_size": (1,),
     "data_parallel_size": (1,),
 }
-"""``rollout.engine_kwargs`` that place vLLM's engine, and the values allowed there: the executor is
-``rollout.executor``'s choice, and `jetrl train` runs one engine on one device (tensor-parallel and multi-GPU
-rollouts run through verl: ``python -m jetrl.verl``)."""
+"""``rollout.engine_kwargs`` that spread vLLM's engine over devices, and the values allowed there: `jetrl train` runs
+one engine on one device (tensor-parallel and multi-GPU rollouts run through verl: ``python -m jetrl.verl``). Its
+executor (``distributed_executor_backend``) is never an engine_kwargs key: ``rollout.executor`` chooses it."""
 
 
 def _check_engine_placement(engine_kwargs: dict[str, Any]) -> None:

@@ -346,6 +346,7 @@ class Trainer:
             numeric=self.cfg.lint.numeric,
             engine=self.engine if engine_kwargs is None else None,
             engine_kwargs=engine_kwargs,
+            max_model_len=self.cfg.rollout.max_model_len,  # of the lint's own engine, when it starts one
             probe=probe,
             backend=self.cfg.run.gemm_backend,
             training=training,
