@@ -23,9 +23,10 @@ step (its prefill included) and the kernels with the most GPU time: where a deco
 kernels, or the host between them), measured. ``--host-profile`` runs the same generate under cProfile: the
 Python functions that spend the host time, per step. ``--multiprocess`` (vLLM's engine core in its own
 process) and ``--executor mp`` (the model in a worker process of its own) run the engine as verl's rollout
-servers do (both: verl's layout); neither allows a weight sync or ``--host-profile`` (the model is in another
-process), and ``--profile`` then records the model's process with vLLM's own profiler (its trace's GPU time
-against the generate's wall time here).
+servers do (both: verl's layout); neither allows ``--host-profile`` (the model is in another process), a weight
+sync then travels to the model's process in `jetrl.rollout.transfer` parcels (CUDA IPC handles on a GPU; only
+for the ``--sync-modes`` named: none by default), and ``--profile`` records the model's process with vLLM's own
+profiler (its trace's GPU time against the generate's wall time here).
 
 CPU (``--tiny``): the same flow on the tiny Qwen3 (`jetrl.tiny`) with the emulated GEMM backend, plus
 the log-prob mismatch per recipe; stock FP8 is reported as unavailable (vLLM's CPU block-FP8 path needs
@@ -538,8 +539,8 @@ def main(argv: list[str] | None = None) -> int:
         "--multiprocess",
         action="store_true",
         help="vLLM's engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1, as verl's rollout servers "
-        "run it): its scheduling overlaps this process's output processing; no weight sync or --host-profile (they "
-        "need the model in this process; --profile uses vLLM's profiler)",
+        "run it): its scheduling overlaps this process's output processing; no --host-profile (it needs the model in "
+        "this process; --profile uses vLLM's profiler); weight syncs only for the --sync-modes named (IPC parcels)",
     )
     p.add_argument(
         "--executor",
@@ -547,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
         default="uni",
         help="vLLM's executor (distributed_executor_backend): 'uni' runs the model in the engine core's process "
         "(vLLM's default for one GPU); 'mp' in a worker process of its own, as verl's rollout servers start it; no "
-        "weight sync or --host-profile with 'mp' (--profile uses vLLM's profiler)",
+        "--host-profile with 'mp' (--profile uses vLLM's profiler); weight syncs only for the --sync-modes named",
     )
     p.add_argument(
         "--isolate",
@@ -579,8 +580,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.modes is None:
         args.modes = DEFAULT_MODES["cpu" if args.tiny else "gpu"]
     out_of_process = _out_of_process(args)
-    if out_of_process and (args.host_profile or args.sync_modes):
-        p.error("--multiprocess and --executor mp run the model in another process: no --host-profile or --sync-modes "
+    if out_of_process and args.host_profile:
+        p.error("--multiprocess and --executor mp run the model in another process: no --host-profile "
                 "(--profile records that process with vLLM's profiler)")  # fmt: skip
     if args.sync_modes is None:
         args.sync_modes = [] if out_of_process else ["bf16", "jetrl_fp8", "naive_fp8"] if args.tiny else ["jetrl_fp8"]

@@ -361,11 +361,12 @@ def create_engine(
     """Start a vLLM engine that rolls out with `recipe`'s rollout precision.
 
     `rollout`: ``"jetrl"`` (jetrl's vLLM methods) or ``"stock"`` (`stock_vllm_settings`). `backend`:
-    the `jetrl.gemm` backend of ``jetrl_fp8``. `in_process` sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the engine
-    core in this process; the lint's capture needs it); False sets it to 1 and lets `Engine.apply` send its
-    functions to the engine's processes (with ``distributed_executor_backend="mp"`` the model runs in a worker
-    process: `jetrl train`'s ``rollout.executor: mp``; the weight sync reaches it in `jetrl.rollout.transfer`
-    parcels). `engine_ops` ``"hf"`` / ``"fused"``
+    the `jetrl.gemm` backend of ``jetrl_fp8``. `in_process` sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (vLLM's engine
+    core in this process); False sets it to 1. The model itself runs in this process only with the engine core
+    here and vLLM's uni-process executor on one device (`Engine.in_process`; the lint's capture needs it);
+    otherwise -- the engine core elsewhere, or ``distributed_executor_backend="mp"`` (`jetrl train`'s
+    ``rollout.executor: mp``), or tensor parallelism -- `Engine.apply` sends its functions to the model's
+    processes and the weight sync reaches them in `jetrl.rollout.transfer` parcels. `engine_ops` ``"hf"`` / ``"fused"``
     runs the trainer's ops between the Linears inside vLLM (`jetrl.rollout.vllm_model`; ``"vllm"``: vLLM's own model).
     `strict`: vLLM's batch-invariant mode with `strict_engine_settings` (`jetrl.rollout.engine_strict`; CUDA,
     with ``engine_ops`` 'hf' or 'fused', so that every op is the trainer's or batch-invariant). `cpu_amx`
@@ -377,13 +378,22 @@ def create_engine(
         raise ValueError(f"create_engine: rollout={rollout!r}; choose one of {ROLLOUT_MODES}")
     r = _as_recipe(recipe)
     model_path = str(model_path)
-    if not cpu_amx and not in_process:
-        raise ValueError("create_engine(cpu_amx=False) needs in_process=True (the AMX probes are this process's)")
+    model_here = (
+        in_process
+        and kw.get("distributed_executor_backend") in (None, "uni")
+        and kw.get("tensor_parallel_size", 1) == 1
+        and kw.get("pipeline_parallel_size", 1) == 1
+    )
+    if not cpu_amx and not model_here:
+        raise ValueError(
+            "create_engine(cpu_amx=False) needs the model in this process (in_process=True, vLLM's uni-process "
+            "executor): the AMX probes are this process's"
+        )
     if not cpu_amx and rollout == "stock" and r.rollout_fp8:
         raise ValueError("create_engine(cpu_amx=False, rollout='stock'): vLLM's CPU FP8 path needs AMX")
     # set either way: an earlier in-process engine of this process left "0" in the environment
     env: dict[str, str] = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
-    if not in_process:
+    if not model_here:
         # `Engine.apply` sends jetrl's own module-level functions (and `functools.partial`s of them) to the engine
         # core and worker processes this call starts, over local sockets; vLLM's msgpack carries them only as pickles
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
@@ -434,7 +444,7 @@ def create_engine(
         llm = LLM(
             model=model_path, seed=seed, max_model_len=max_model_len, enforce_eager=enforce_eager, **{**args, **kw}
         )
-    return Engine(llm, r, rollout=rollout, in_process=in_process, start_seconds=time.perf_counter() - t0)
+    return Engine(llm, r, rollout=rollout, in_process=model_here, start_seconds=time.perf_counter() - t0)
 
 
 # Functions `Engine` runs in every worker: module-level (not lambdas), so that a multi-worker engine
@@ -496,6 +506,7 @@ class Engine:
         self.recipe = recipe
         self.rollout = rollout
         self.in_process = in_process
+        """Whether the model runs in this process (vLLM's engine core and uni-process executor here)."""
         self.start_seconds = start_seconds
         """Wall seconds ``vllm.LLM(...)`` took (model load, quantization, KV cache, warm-up)."""
         self._asleep = False

@@ -140,7 +140,8 @@ def test_without_amx_hides_the_amx_probes_and_restores_them(monkeypatch):
 @pytest.mark.parametrize(
     ("kw", "match"),
     [
-        ({"in_process": False}, r"cpu_amx=False\) needs in_process=True"),
+        ({"in_process": False}, r"cpu_amx=False\) needs the model in this process"),
+        ({"distributed_executor_backend": "mp"}, r"cpu_amx=False\) needs the model in this process"),
         ({"rollout": "stock"}, r"cpu_amx=False, rollout='stock'\): vLLM's CPU FP8 path needs AMX"),
     ],
 )

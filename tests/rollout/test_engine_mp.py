@@ -38,11 +38,14 @@ def _samples(engine):
 
 
 CASES = [
-    pytest.param("cpu", "jetrl-unified", id="unified"),
-    pytest.param("cpu", "naive-fp8-rollout", id="naive"),
+    pytest.param("cpu", "jetrl-unified", False, id="unified"),
+    pytest.param("cpu", "naive-fp8-rollout", False, id="naive"),
+    # bench_rollout's --executor mp: vLLM's engine core in this process, the model still in a worker
+    pytest.param("cpu", "jetrl-unified", True, id="unified-core-here"),
     pytest.param(
         "cuda",
         "jetrl-unified",
+        False,
         id="gpu-unified",
         marks=[
             pytest.mark.gpu,
@@ -52,15 +55,15 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("device", "recipe_name"), CASES)
-def test_sync_to_an_engine_in_other_processes_is_byte_verified(ckpt, device, recipe_name):
+@pytest.mark.parametrize(("device", "recipe_name", "core_here"), CASES)
+def test_sync_to_an_engine_in_other_processes_is_byte_verified(ckpt, device, recipe_name, core_here):
     """The trainer's payload reaches the worker in 64 KiB parcels (the bytes themselves from a CPU trainer, CUDA
     IPC handles of the trainer's memory from a GPU one), the digests read in the worker equal the trainer's, and
     the engine then samples what an in-process engine synced from the same trainer samples."""
     recipe = Recipe.from_name(recipe_name)
     trainer = _trainer(recipe, device)
     kw = ENGINE_KW if device == "cpu" else {**ENGINE_KW, "gpu_memory_utilization": 0.1}
-    engine = create_engine(ckpt, recipe, seed=0, in_process=False, distributed_executor_backend="mp", **kw)
+    engine = create_engine(ckpt, recipe, seed=0, in_process=core_here, distributed_executor_backend="mp", **kw)
     try:
         assert not engine.in_process
         with pytest.raises(WeightSyncError, match="engine worker 0 does not hold the trainer's bytes"):

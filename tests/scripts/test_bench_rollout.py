@@ -83,9 +83,7 @@ def test_shapes_layers_and_profile_options(bench, monkeypatch, capsys):
         (["--layers", "33"], "1 to 32 decoder layers"),
         (["--shapes", "256:16:2048", "--max-model-len", "1024"], "shorter than a --shapes prompt"),
         (["--multiprocess", "--host-profile"], "--multiprocess and --executor mp run the model in another process"),
-        (["--multiprocess", "--sync-modes", "jetrl_fp8"], "no --host-profile or --sync-modes"),
         (["--executor", "mp", "--host-profile"], "--executor mp run the model in another process"),
-        (["--executor", "mp", "--sync-modes", "jetrl_fp8"], "no --host-profile or --sync-modes"),
         (["--executor", "mp", "--profile-python"], "--profile-python is for --profile with --executor mp"),
         (["--profile", "--profile-python"], "--profile-python is for --profile with --executor mp"),
     ):
@@ -97,11 +95,12 @@ def test_shapes_layers_and_profile_options(bench, monkeypatch, capsys):
 @pytest.mark.parametrize(
     "flags, key, value", [(["--multiprocess"], "multiprocess", True), (["--executor", "mp"], "executor", "mp")]
 )
-def test_out_of_process_layouts_sync_nothing_and_merge_only_alike(
+def test_out_of_process_layouts_sync_only_when_asked_and_merge_only_alike(
     bench, monkeypatch, tmp_path, capsys, flags, key, value
 ):
-    """--multiprocess and --executor mp (verl's engine layout) sync nothing and are recorded; a merge with a result
-    of another layout (or from before the option, which ran vLLM's defaults) is refused, one of the same taken."""
+    """--multiprocess and --executor mp (verl's engine layout) sync nothing unless --sync-modes names modes, and are
+    recorded; a merge with a result of another layout (or from before the option, which ran vLLM's defaults) is
+    refused, one of the same taken."""
     seen = {}
 
     def fake_run(args, out):
@@ -118,6 +117,12 @@ def test_out_of_process_layouts_sync_nothing_and_merge_only_alike(
         bench.main([*flags, "--merge", str(before)])
     assert f"{key}={bench.ARG_DEFAULTS[key]}, this run with {value}" in capsys.readouterr().err
     assert bench.main([*flags, "--merge", str(tmp_path / "r.json"), "--out", str(tmp_path / "s.json")]) == 0
+    # a sync only where asked for (it travels to the model's process in parcels); no cProfile of another process
+    assert bench.main([*flags, "--sync-modes", "jetrl_fp8", "--out", str(tmp_path / "t.json")]) == 0
+    assert seen["sync_modes"] == ["jetrl_fp8"]
+    with pytest.raises(SystemExit):
+        bench.main([*flags, "--host-profile"])
+    assert "no --host-profile" in capsys.readouterr().err
 
 
 def _engine_kwargs(bench, monkeypatch, tmp_path, **options) -> dict:
