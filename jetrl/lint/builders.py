@@ -10,8 +10,10 @@ the tensors of those two calls.
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -131,32 +133,37 @@ def capture_converted(
     return TrainingCapture(graph, trace, report)
 
 
+_LIVE_RECORDERS: dict[str, Recorder] = {}
+"""Recorders `capture_jetrl_vllm` installed, in the process that holds the engine's model (this one, or vLLM's
+worker), by key until their trace is collected."""
+
+
+def _install_recorder(model, key: str, keep_tensors: bool) -> bool:
+    rec = Recorder(model, keep_tensors=keep_tensors)
+    rec.__enter__()
+    _LIVE_RECORDERS[key] = rec
+    return True
+
+
+def _collect_trace(model, key: str, source: str) -> ModelTrace:
+    rec = _LIVE_RECORDERS.pop(key)
+    rec.__exit__(None, None, None)
+    return trace_model(model, rec, side="rollout", source=source)
+
+
 def capture_jetrl_vllm(engine, *, probe: list[int], keep_tensors: bool = False) -> tuple[Graph, ModelTrace]:
-    """Capture the rollout graph inside a live engine (`jetrl.rollout.adapter.Engine`, in-process):
-    install a `Recorder` on the worker's model, run one greedy generate step on `probe`, collect."""
-    if not getattr(engine, "in_process", False):
-        raise LintEnvError("capture_jetrl_vllm needs an in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
-    box: dict[str, Recorder] = {}
-
-    def install(model):
-        rec = Recorder(model, keep_tensors=keep_tensors)
-        rec.__enter__()
-        box["rec"] = rec
-        return True
-
-    def collect(model):
-        rec = box.pop("rec")
-        rec.__exit__(None, None, None)
-        q = getattr(engine, "quantization", None)
-        src = f"captured in a live vLLM engine (quantization={q}, recipe {engine.recipe.name!r}), probe prefill"
-        return trace_model(model, rec, side="rollout", source=src)
-
+    """Capture the rollout graph inside a live engine (`jetrl.rollout.adapter.Engine`, its model in this process
+    or in vLLM's worker): install a `Recorder` on the model, run one greedy generate step on `probe`, collect
+    (module-level functions through `Engine.apply`, so they reach a worker process too)."""
+    key = uuid.uuid4().hex
+    q = getattr(engine, "quantization", None)
+    src = f"captured in a live vLLM engine (quantization={q}, recipe {engine.recipe.name!r}), probe prefill"
     engine.reset_prefix_cache()  # a cached prefix would skip the probe's prefill
-    engine.apply(install)
+    engine.apply(partial(_install_recorder, key=key, keep_tensors=keep_tensors))
     try:
         engine.generate([probe], max_tokens=1, temperature=0.0, seed=0)
     finally:
-        traces = engine.apply(collect)
+        traces = engine.apply(partial(_collect_trace, key=key, source=src))
     if len(traces) != 1:
         raise LintEnvError(f"capture_jetrl_vllm: expected one worker, got {len(traces)} (tensor parallel capture)")
     trace = traces[0]

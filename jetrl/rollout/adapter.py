@@ -363,7 +363,7 @@ def create_engine(
     `rollout`: ``"jetrl"`` (jetrl's vLLM methods) or ``"stock"`` (`stock_vllm_settings`). `backend`:
     the `jetrl.gemm` backend of ``jetrl_fp8``. `in_process` sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (vLLM's engine
     core in this process); False sets it to 1. The model itself runs in this process only with the engine core
-    here and vLLM's uni-process executor on one device (`Engine.in_process`; the lint's capture needs it);
+    here and vLLM's uni-process executor on one device (`Engine.in_process`);
     otherwise -- the engine core elsewhere, or ``distributed_executor_backend="mp"`` (`jetrl train`'s
     ``rollout.executor: mp``), or tensor parallelism -- `Engine.apply` sends its functions to the model's
     processes and the weight sync reaches them in `jetrl.rollout.transfer` parcels. `engine_ops` ``"hf"`` / ``"fused"``

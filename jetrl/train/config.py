@@ -182,7 +182,7 @@ class RolloutConfig:
     executor), 'mp' in processes of its own -- vLLM's engine core and a worker process, as verl's rollout servers
     run it: the engine core schedules while the worker runs the model and this process handles outputs. The
     weight sync reaches the worker through CUDA IPC handles of the trainer's bytes on a GPU (by value on a CPU),
-    digests proving the bytes either way; the lint starts its own in-process engine before the rollout's."""
+    digests proving the bytes either way; the lint captures the rollout graph in that worker."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for `jetrl.rollout.adapter.create_engine`; none may set vLLM's executor or
     parallelism (`ENGINE_PLACEMENT_KEYS`: ``rollout.executor`` chooses the executor; one engine, one device)."""

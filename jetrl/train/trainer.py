@@ -253,13 +253,7 @@ class Trainer:
         from jetrl.rollout.adapter import create_engine
 
         r = cfg.rollout
-        in_process = r.executor == "uni"
-        engine_kwargs = {"engine_ops": r.engine_ops, **({} if self.verbose else {"use_tqdm_on_load": False})}
-        engine_kwargs.update(r.engine_kwargs)
-        if cfg.lint.enabled and not in_process:
-            # the lint captures the rollout graph inside an engine of this process: its own, started and closed
-            # before the rollout's engine takes its share of the device
-            self._lint(engine_kwargs)
+        in_process = r.executor == "uni"  # 'mp': vLLM's engine core and a worker process of their own
         self.engine = create_engine(
             self.init_path,
             self.recipe,
@@ -267,16 +261,17 @@ class Trainer:
             gpu_memory_utilization=r.gpu_memory_utilization,
             max_model_len=r.max_model_len,
             backend=cfg.run.gemm_backend,
+            engine_ops=r.engine_ops,
             in_process=in_process,
             strict=cfg.model.numerics == "strict",
             cpu_amx=cfg.model.numerics != "vllm-cpu",  # vLLM's AMX kernels are not what the trainer matches
-            **engine_kwargs,
             **({} if in_process else {"distributed_executor_backend": "mp"}),
+            **{**({} if self.verbose else {"use_tqdm_on_load": False}), **r.engine_kwargs},
         )
         where = "in this process" if in_process else "in its own processes (executor mp)"
         self.log(f"engine: {self.engine.quantization or 'bf16'} started {where} in {self.engine.start_seconds:.1f}s")
         self._check_numerics_path()
-        if cfg.lint.enabled and in_process:
+        if cfg.lint.enabled:
             self._lint()
         rep = self._sync()
         self.log(f"initial sync: {rep.bytes / 2**20:.2f} MiB, {rep.n_params} tensors, digests equal")
@@ -319,9 +314,7 @@ class Trainer:
                 f"rollout log-probs will differ by more than the FP8 recipe's own rounding ({path.reason})"
             )
 
-    def _lint(self, engine_kwargs: dict | None = None) -> None:
-        """Run the precision lint on the live in-process engine, or (`engine_kwargs` given) on an in-process engine
-        of its own started with them."""
+    def _lint(self) -> None:
         from jetrl.lint.api import lint
         from jetrl.lint.builders import probe_ids
 
@@ -344,9 +337,7 @@ class Trainer:
             self.recipe,
             rollout="jetrl-vllm",
             numeric=self.cfg.lint.numeric,
-            engine=self.engine if engine_kwargs is None else None,
-            engine_kwargs=engine_kwargs,
-            max_model_len=self.cfg.rollout.max_model_len,  # of the lint's own engine, when it starts one
+            engine=self.engine,
             probe=probe,
             backend=self.cfg.run.gemm_backend,
             training=training,

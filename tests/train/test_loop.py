@@ -336,9 +336,9 @@ def test_trainer_loads_its_policy_with_causal_sdpa_by_default(out_dir):
 
 
 def test_rollout_executor_mp(out_dir):
-    """rollout.executor=mp: the engine runs in vLLM's engine-core and worker processes; the lint captures the
-    rollout in an in-process engine of its own first, the syncs reach the worker and are byte-verified there, and
-    after the initial sync the engine samples what the in-process engine of the same config samples."""
+    """rollout.executor=mp: the engine runs in vLLM's engine-core and worker processes; the lint records the
+    rollout graph in that worker, the syncs reach it and are byte-verified there, and after the initial sync the
+    engine samples what the in-process engine of the same config samples."""
     from jetrl.demo import DEFAULT_CONFIG
     from jetrl.train.config import apply_overrides, config_from_dict
     from jetrl.train.trainer import Trainer
