@@ -383,6 +383,7 @@ def create_engine(
         and kw.get("distributed_executor_backend") in (None, "uni")
         and kw.get("tensor_parallel_size", 1) == 1
         and kw.get("pipeline_parallel_size", 1) == 1
+        and kw.get("data_parallel_size", 1) == 1
     )
     if not cpu_amx and not model_here:
         raise ValueError(
@@ -449,26 +450,26 @@ def create_engine(
 
 # Functions `Engine` runs in every worker: module-level (not lambdas), so that a multi-worker engine
 # (tensor parallel, vLLM's multiprocessing executor) can pickle them to its workers.
-def _reset_nonfinite(_model) -> None:
+def _reset_nonfinite(_model, kernels: bool) -> None:
+    """Clear the rollout methods' non-finite flags and, with `kernels`, the Triton kernels' (in a process of the
+    engine's own; in the trainer's process those are the trainer's to read)."""
     from jetrl.rollout.methods import reset_rollout_nonfinite
 
     reset_rollout_nonfinite()
+    if kernels:
+        from jetrl.kernels import reset_nonfinite
+
+        reset_nonfinite()
 
 
-def _check_nonfinite(_model) -> None:
-    from jetrl.rollout.methods import check_rollout_nonfinite
-
-    check_rollout_nonfinite()
-
-
-def _nonfinite_message(_model) -> str | None:
-    """In a worker process: `check_rollout_nonfinite` of its methods' and kernels' flags (the Triton kernels'
-    flags are that process's), as the error's message or None (the caller raises it, naming the worker)."""
+def _nonfinite_message(_model, kernels: bool) -> str | None:
+    """`check_rollout_nonfinite` of the methods' flags and, with `kernels`, the kernels' (an engine process's
+    own), as the error's message or None: the caller raises it, naming the worker."""
     from jetrl.quant import NonFiniteError
     from jetrl.rollout.methods import check_rollout_nonfinite
 
     try:
-        check_rollout_nonfinite(kernels=True)
+        check_rollout_nonfinite(kernels=kernels)
     except NonFiniteError as e:
         return str(e)
     return None
@@ -511,7 +512,7 @@ class Engine:
         """Wall seconds ``vllm.LLM(...)`` took (model load, quantization, KV cache, warm-up)."""
         self._asleep = False
         # vLLM's start-up runs (profiling, CUDA-graph capture) compute on dummy data: not the user's inputs
-        self.apply(_reset_nonfinite if in_process else _nonfinite_message)
+        self.apply(functools.partial(_reset_nonfinite, kernels=not in_process))
 
     @property
     def kv_cache_tokens(self) -> int | None:
@@ -581,13 +582,11 @@ class Engine:
         """Raise `jetrl.quant.NonFiniteError` naming each rollout Linear whose input held NaN/Inf since the
         last check (the device flags the jetrl methods set inside the compiled graph). In process these are the
         methods' flags (the trainer reads the kernels' own); an engine in other processes reads each worker's
-        methods' and kernels' flags there and the error names the worker."""
-        if self.in_process:
-            self.apply(_check_nonfinite)
-            return
+        methods' and kernels' flags there; the error names the worker."""
         from jetrl.quant import NonFiniteError
 
-        bad = [f"worker {w}: {msg}" for w, msg in enumerate(self.apply(_nonfinite_message)) if msg]
+        found = self.apply(functools.partial(_nonfinite_message, kernels=not self.in_process))
+        bad = [f"worker {w}: {msg}" for w, msg in enumerate(found) if msg]
         if bad:
             raise NonFiniteError("; ".join(bad))
 

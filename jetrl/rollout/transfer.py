@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from jetrl.quant import ceil_div
+
 __all__ = ["Parcel", "pack_buckets", "DEFAULT_BUCKET_BYTES"]
 
 DEFAULT_BUCKET_BYTES = 1 << 30
@@ -67,7 +69,7 @@ def _pieces(name: str, value) -> list[tuple[str, int, torch.Tensor]]:
 
 
 def _size(t: torch.Tensor) -> int:
-    return -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    return ceil_div(t.numel() * t.element_size(), _ALIGN) * _ALIGN
 
 
 def _pack(entries: list[tuple[str, int, torch.Tensor]]) -> tuple[torch.Tensor, list]:
