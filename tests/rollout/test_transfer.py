@@ -1,7 +1,11 @@
-"""`jetrl.rollout.transfer`: a payload packed into parcels comes back byte for byte, groups stay together, a
-parcel stays under its size, and bad grouping is named (CPU: the parcels carry their buffers by value)."""
+"""`jetrl.rollout.transfer`: a payload packed into parcels comes back byte for byte, in this process and opened in
+a spawned one (on a CPU the parcels carry their buffers by value, on a GPU CUDA IPC handles), groups stay
+together, a parcel stays under its size, and bad grouping is named."""
 
+import multiprocessing
+import os
 import pickle
+import queue
 
 import pytest
 import torch
@@ -83,32 +87,55 @@ def test_bad_sizes_and_empty_parcels_are_refused():
 def _plain(t: torch.Tensor) -> tuple:
     """dtype, shape and bytes: what the child sends back (a tensor put on a queue would travel as a shared-memory
     file descriptor that dies with the child)."""
-    return str(t.dtype), tuple(t.shape), t.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    return str(t.dtype), tuple(t.shape), t.cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _receive(parcel, results) -> None:
-    """In a child process: open the parcel (mapping the sender's CUDA memory) and send back its bytes."""
+    """In a child process: open the parcel (on a GPU mapping the sender's memory) and send back its bytes."""
     opened = parcel.open()
     results.put({k: tuple(map(_plain, v)) if isinstance(v, tuple) else _plain(v) for k, v in opened.items()})
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA IPC handles)")
-def test_gpu_parcels_travel_as_cuda_ipc_handles():
-    """On a GPU a parcel carries an IPC handle, not the bytes; another process maps the sender's buffer and reads
-    exactly the payload."""
-    import multiprocessing
+def _wait_for(results, child):
+    """The child's answer; a child that died without one fails the test instead of blocking it forever."""
+    while True:
+        alive = child.is_alive()  # read before waiting: a child that had exited had flushed what it sent
+        try:
+            return results.get(timeout=1.0)
+        except queue.Empty:
+            if not alive:
+                raise AssertionError(f"the child exited (code {child.exitcode}) without answering") from None
 
-    payload = {k: tuple(t.cuda() for t in v) if isinstance(v, tuple) else v.cuda() for k, v in _payload().items()}
+
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA IPC handles)")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, _CUDA])])
+def test_parcels_open_in_another_process(device):
+    """A parcel opened in a spawned process gives exactly the payload: on a GPU it carries an IPC handle, not the
+    bytes (the child maps the sender's buffer), on a CPU the buffer itself."""
+    payload = {
+        k: tuple(t.to(device) for t in v) if isinstance(v, tuple) else v.to(device) for k, v in _payload().items()
+    }
     ctx = multiprocessing.get_context("spawn")
-    for names, parcel in pack_buckets(payload, [[k] for k in payload], 100_000):
-        assert parcel.handle is not None and parcel.data is None
+    for names, parcel in pack_buckets(payload, [[k] for k in payload], 100_000 if device == "cuda" else 1 << 30):
+        assert (parcel.handle is not None, parcel.data is None) == (
+            (True, True) if device == "cuda" else (False, False)
+        )
         results = ctx.Queue()
         child = ctx.Process(target=_receive, args=(parcel, results))
         child.start()
-        got = results.get()
+        got = _wait_for(results, child)
         child.join()
         assert child.exitcode == 0 and sorted(got) == sorted(names)
         for k in names:
             want = tuple(map(_plain, payload[k])) if isinstance(payload[k], tuple) else _plain(payload[k])
             assert got[k] == want, k
+
+
+def test_a_child_that_dies_without_answering_fails_the_wait():
+    ctx = multiprocessing.get_context("spawn")
+    child = ctx.Process(target=os._exit, args=(3,))
+    child.start()
+    with pytest.raises(AssertionError, match=r"exited \(code 3\) without answering"):
+        _wait_for(ctx.Queue(), child)
