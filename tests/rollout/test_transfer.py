@@ -117,11 +117,9 @@ def test_parcels_open_in_another_process(device):
     payload = {
         k: tuple(t.to(device) for t in v) if isinstance(v, tuple) else v.to(device) for k, v in _payload().items()
     }
-    ctx = multiprocessing.get_context("spawn")
-    for names, parcel in pack_buckets(payload, [[k] for k in payload], 100_000 if device == "cuda" else 1 << 30):
-        assert (parcel.handle is not None, parcel.data is None) == (
-            (True, True) if device == "cuda" else (False, False)
-        )
+    ctx, on_gpu = multiprocessing.get_context("spawn"), device == "cuda"
+    for names, parcel in pack_buckets(payload, [[k] for k in payload], 100_000 if on_gpu else 1 << 30):
+        assert (parcel.handle is not None, parcel.data is not None) == (on_gpu, not on_gpu)
         results = ctx.Queue()
         child = ctx.Process(target=_receive, args=(parcel, results))
         child.start()
