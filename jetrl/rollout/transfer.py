@@ -116,7 +116,8 @@ def pack_buckets(
         size += gsize
     for names in buckets:
         buf, index = _pack([p for n in names for p in _pieces(n, payload[n])])
-        if buf.is_cuda:
+        on_gpu = buf.is_cuda
+        if on_gpu:
             from torch.multiprocessing.reductions import reduce_tensor
 
             torch.cuda.current_stream(buf.device).synchronize()  # the copies are done before the receiver reads
@@ -125,5 +126,5 @@ def pack_buckets(
             parcel = Parcel(index, buf.numel(), data=buf)
         yield names, parcel
         del buf, parcel
-        if torch.cuda.is_available():
+        if on_gpu:
             torch.cuda.ipc_collect()  # free the IPC blocks the receiver has let go of
