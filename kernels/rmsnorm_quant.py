@@ -7,7 +7,8 @@ Forward numerics are HF ``Qwen3RMSNorm`` / ``LlamaRMSNorm``::
     y    = weight * (x_f32 * rstd).to(x.dtype)  # computed in fp32, stored in x.dtype
     q, s = jetrl.quant.quantize_1x128(y)        # the next FP8 GEMM's input
 
-One read of x and weight; y, q, s, rstd written once. The quantization is of the *stored* y (its
+One read of x and weight; y, q, s, rstd written once (y not at all with ``store_y=False``, the
+rollout engine's launch: its qkv / gate_up take the bytes alone). The quantization is of the *stored* y (its
 fp32 upcast), so ``(q, s)`` are bit-equal to ``quantize_1x128(y)`` of the kernel's own y. y itself
 matches the eager HF module up to the fp32 reduction order of the variance and the rsqrt
 implementation (at most a last-bit difference in x.dtype for a few elements); tests pin y with
@@ -101,6 +102,7 @@ def _norm_quant_chunk(
     EPS: tl.constexpr,
     FP8_MAX: tl.constexpr,
     GROUP: tl.constexpr,
+    STORE_Y: tl.constexpr,
     STORE_PRECAST: tl.constexpr,
     RCP: tl.constexpr,
 ):
@@ -109,7 +111,8 @@ def _norm_quant_chunk(
     x = x_raw.to(tl.float32)
     n = (x * rstd[:, None, None]).to(x_raw.dtype).to(tl.float32)
     y = (w[None, :, :] * n).to(x_raw.dtype)
-    tl.store(y_ptr + rows * K + cols, y, mask=mask)
+    if STORE_Y:
+        tl.store(y_ptr + rows * K + cols, y, mask=mask)
     yf = y.to(tl.float32)
 
     # 1x128 quantization of the stored y: the amax of each group is a reduction along the last axis
@@ -165,6 +168,7 @@ def _rmsnorm_quant_kernel(
     BLOCK_G: tl.constexpr,
     GROUP: tl.constexpr,
     SINGLE: tl.constexpr,
+    STORE_Y: tl.constexpr,
     STORE_PRECAST: tl.constexpr,
     RCP: tl.constexpr,
     HAS_RES: tl.constexpr,
@@ -189,7 +193,7 @@ def _rmsnorm_quant_kernel(
         w = tl.load(w_ptr + cols2, mask=cols2 < K, other=0.0).to(tl.float32)
         n_bad = _norm_quant_chunk(
             x_raw, w, rstd, rows, cols, mask, offs_m, offs_g, mask_m, K, y_ptr, q_ptr, s_ptr, pre_ptr,
-            stride_sm, stride_sg, EPS, FP8_MAX, GROUP, STORE_PRECAST, RCP,
+            stride_sm, stride_sg, EPS, FP8_MAX, GROUP, STORE_Y, STORE_PRECAST, RCP,
         )  # fmt: skip
     else:
         # long rows: pass 1 accumulates sum(x^2) over BLOCK_G-group chunks, pass 2 re-reads them (L2)
@@ -212,7 +216,7 @@ def _rmsnorm_quant_kernel(
             w = tl.load(w_ptr + cols2, mask=cols2 < K, other=0.0).to(tl.float32)
             n_bad += _norm_quant_chunk(
                 x_raw, w, rstd, rows, cols, mask, offs_m, offs_g, mask_m, K, y_ptr, q_ptr, s_ptr, pre_ptr,
-                stride_sm, stride_sg, EPS, FP8_MAX, GROUP, STORE_PRECAST, RCP,
+                stride_sm, stride_sg, EPS, FP8_MAX, GROUP, STORE_Y, STORE_PRECAST, RCP,
             )  # fmt: skip
     tl.store(rstd_ptr + offs_m, rstd, mask=mask_m)
     tl.store(flag_ptr + flag_slot, 1, mask=n_bad > 0)
@@ -280,12 +284,15 @@ def launch_rmsnorm_quant(
     scale_layout: str = "row",
     name: str = "x",
     precast: torch.Tensor | None = None,
+    store_y: bool = True,
     **config,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the fused forward kernel.
 
     Input:  x ``[M, K]`` float32/bfloat16/float16, last-dim stride 1; weight ``[K]`` contiguous, any float dtype.
-    Output: y ``[M, K]`` x.dtype contiguous; q float8_e4m3fn ``[M, K]`` contiguous; rstd fp32 ``[M]``.
+    Output: y ``[M, K]`` x.dtype contiguous (None with ``store_y=False``: the kernel computes y and quantizes
+    it but does not write it, for a consumer of the bytes alone, the rollout engine's qkv / gate_up);
+    q float8_e4m3fn ``[M, K]`` contiguous; rstd fp32 ``[M]``.
     scales: fp32 ``[M, ceil(K/128)]``, strides ``(G, 1)`` (``"row"``) or ``(1, align(M, 4))`` (``"deepgemm"``).
     ``precast`` (tests only): fp32 ``[M, K]`` buffer receiving the clamped ``y / s`` before the cast.
     ``config``: launch overrides ``block_m``, ``block_k`` (a power of two >= 128: rows up to it stay in
@@ -293,7 +300,7 @@ def launch_rmsnorm_quant(
     order of the variance, so y may move by an ulp), and ``rcp`` (default on: divide through the
     per-group reciprocal, `_runtime.e4m3_grid`; same bytes).
     """
-    return _launch(x, None, weight, eps, scale_layout, name, precast, config)[:4]
+    return _launch(x, None, weight, eps, scale_layout, name, precast, store_y, config)[:4]
 
 
 def launch_add_rmsnorm_quant(
@@ -304,26 +311,27 @@ def launch_add_rmsnorm_quant(
     scale_layout: str = "row",
     name: str = "x",
     precast: torch.Tensor | None = None,
+    store_y: bool = True,
     **config,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`launch_rmsnorm_quant` of ``residual + x`` (added in x.dtype as eager torch adds, rounded once), in the
     same kernel: ``(y, q, s, sum)``, the sum ``[M, K]`` x.dtype contiguous (the residual stream out).
     `residual`: x's shape and dtype, last-dim stride 1."""
     check_matrix(residual, f"{name} (residual)", OP_ADD)
     _check_residual(x, residual, name)
-    y, q, s, _, total = _launch(x, residual, weight, eps, scale_layout, name, precast, config)
+    y, q, s, _, total = _launch(x, residual, weight, eps, scale_layout, name, precast, store_y, config)
     return y, q, s, total
 
 
-def _launch(x, residual, weight, eps, scale_layout, name, precast, config):
-    """(y, q, s, rstd, residual + x or None) of one `_rmsnorm_quant_kernel` launch."""
+def _launch(x, residual, weight, eps, scale_layout, name, precast, store_y, config):
+    """(y or None, q, s, rstd, residual + x or None) of one `_rmsnorm_quant_kernel` launch."""
     op = OP if residual is None else OP_ADD
     check_matrix(x, name, op)
     _check_weight(weight, x, name)
     assert scale_layout in SCALE_LAYOUTS, f"{op}: scale_layout={scale_layout!r}, choose one of {SCALE_LAYOUTS}"
     m, k = x.shape
     dev = x.device
-    y = torch.empty((m, k), dtype=x.dtype, device=dev)
+    y = torch.empty((m, k), dtype=x.dtype, device=dev) if store_y else None
     q = torch.empty((m, k), dtype=quant.FP8_DTYPE, device=dev)
     s = scale_buffer(m, groups(k), scale_layout, dev)
     rstd = torch.empty((m,), dtype=torch.float32, device=dev)
@@ -349,7 +357,7 @@ def _launch(x, residual, weight, eps, scale_layout, name, precast, config):
         x if residual is None else residual,
         q if total is None else total,
         weight,
-        y,
+        y if store_y else q,
         q,
         s,
         rstd,
@@ -369,6 +377,7 @@ def _launch(x, residual, weight, eps, scale_layout, name, precast, config):
         BLOCK_G=block_k // BLOCK,
         GROUP=BLOCK,
         SINGLE=single,
+        STORE_Y=bool(store_y),
         STORE_PRECAST=precast is not None,
         RCP=rcp,
         HAS_RES=residual is not None,

@@ -6,7 +6,8 @@ Forward numerics are HF's ``act_fn(gate) * up`` in the input dtype (``F.silu(gat
     h    = (a.to(f32) * up.to(f32)).to(dtype)  # one rounding, as torch's elementwise mul does
     q, s = jetrl.quant.quantize_1x128(h)
 
-One read of gate and up; h, q, s written once. ``(q, s)`` are bit-equal to ``quantize_1x128(h)`` of
+One read of gate and up; h, q, s written once (h not at all with ``store_h=False``, the rollout
+engine's launch: its down_proj takes the bytes alone). ``(q, s)`` are bit-equal to ``quantize_1x128(h)`` of
 the kernel's own h; h matches eager torch up to the exp implementation (Triton's ``exp`` vs CUDA's
 ``expf``: at most a last-bit difference in dtype for rare elements), pinned by dtype-paired
 tolerances in the tests.
@@ -81,6 +82,7 @@ def _swiglu_quant_kernel(
     FP8_MAX: tl.constexpr,
     BLOCK_M: tl.constexpr,
     GROUP: tl.constexpr,
+    STORE_H: tl.constexpr,
     STORE_PRECAST: tl.constexpr,
     RCP: tl.constexpr,
 ):
@@ -99,7 +101,8 @@ def _swiglu_quant_kernel(
     # h = silu(gate).to(dtype) * up, rounded to dtype
     a = _silu_f32(g_raw.to(tl.float32)).to(g_raw.dtype).to(tl.float32)
     h = (a * u).to(g_raw.dtype)
-    tl.store(h_ptr + rows * N + offs_n[None, :], h, mask=mask)
+    if STORE_H:
+        tl.store(h_ptr + rows * N + offs_n[None, :], h, mask=mask)
     hf = h.to(tl.float32)
 
     # 1x128 quantization of the stored h; its NaN-propagating amax carries the non-finite test
@@ -169,11 +172,14 @@ def launch_swiglu_quant(
     block_m: int = 16,
     num_warps: int = 4,
     rcp: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    store_h: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Run the fused forward kernel.
 
     Input:  gate, up ``[M, N]`` same float dtype, last-dim stride 1, any row strides.
-    Output: h ``[M, N]`` dtype contiguous; q float8_e4m3fn ``[M, N]`` contiguous.
+    Output: h ``[M, N]`` dtype contiguous (None with ``store_h=False``: the kernel computes h and
+    quantizes it but does not write it, for a consumer of the bytes alone, the rollout engine's
+    down_proj); q float8_e4m3fn ``[M, N]`` contiguous.
     scales: fp32 ``[M, ceil(N/128)]``, strides ``(G, 1)`` (``"row"``) or ``(1, align(M, 4))`` (``"deepgemm"``).
     ``precast`` (tests only): fp32 ``[M, N]`` buffer receiving the clamped ``h / s`` before the cast.
     ``rcp``: divide through the per-group reciprocal (`_runtime.e4m3_grid`; same bytes; default: it
@@ -183,7 +189,7 @@ def launch_swiglu_quant(
     assert scale_layout in SCALE_LAYOUTS, f"{OP}: scale_layout={scale_layout!r}, choose one of {SCALE_LAYOUTS}"
     m, n = gate.shape
     dev = gate.device
-    h = torch.empty((m, n), dtype=gate.dtype, device=dev)
+    h = torch.empty((m, n), dtype=gate.dtype, device=dev) if store_h else None
     q = torch.empty((m, n), dtype=quant.FP8_DTYPE, device=dev)
     s = scale_buffer(m, groups(n), scale_layout, dev)
     if precast is not None:
@@ -196,7 +202,7 @@ def launch_swiglu_quant(
     _swiglu_quant_kernel[(triton.cdiv(m, block_m), groups(n))](
         gate,
         up,
-        h,
+        h if store_h else q,
         q,
         s,
         precast if precast is not None else q,
@@ -212,6 +218,7 @@ def launch_swiglu_quant(
         FP8_MAX=E4M3_MAX,
         BLOCK_M=block_m,
         GROUP=BLOCK,
+        STORE_H=bool(store_h),
         STORE_PRECAST=precast is not None,
         RCP=bool(rcp),
         num_warps=num_warps,

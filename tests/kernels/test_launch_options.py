@@ -15,6 +15,8 @@ order of the variance, so y may move by an ulp. For them the test checks what th
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from kernels_cases import (
@@ -161,3 +163,72 @@ def test_gpu_rmsnorm_configs_keep_the_contract(m, k):
             out = launch_rmsnorm_quant(x, w, 1e-6, **cfg)
             q_ref = _rms_check(x, w, out, f"{cfg} {m=} {k=} {d}")
             assert_bitwise("bytes", out[1], q_ref, f"{cfg} {m=} {k=} {d}")
+
+
+# The producers' value-less launches (the rollout engine's: `jetrl.rollout.vllm_model`) write every other output
+# as the default launch does: (launcher, the option, the index of the output left unwritten).
+_STORELESS = [
+    ("swiglu_quant", "launch_swiglu_quant", "store_h", 0),
+    ("rmsnorm_quant", "launch_rmsnorm_quant", "store_y", 0),
+    ("rmsnorm_quant", "launch_add_rmsnorm_quant", "store_y", 0),
+]
+
+
+def _storeless_args(fn: str, m: int, k: int, dtype: torch.dtype, device: str, precast: bool) -> tuple:
+    x = make_input(m, k, dtype, "wide-range", seed=m + k, device=device)
+    other = make_input(m, k, dtype, "randn", seed=k, device=device)
+    pre = (torch.empty(m, k),) if precast else ()
+    if fn == "launch_swiglu_quant":
+        return (x, other, "deepgemm", "t.h", *pre)
+    w = (1 + 0.1 * make_input(1, k, torch.float32, "randn", seed=1)[0]).to(dtype).to(device)
+    if fn == "launch_rmsnorm_quant":
+        return (x, w, 1e-6, "deepgemm", "t.x", *pre)
+    return (x, other, w, 1e-6, "deepgemm", "t.x", *pre)
+
+
+def _assert_same_but_unwritten(base, got, skip: int, ctx: str, fp8_trusted: bool) -> None:
+    assert base[skip] is not None and got[skip] is None, f"{ctx}: output {skip} must be None when not stored"
+    for j, (b, g) in enumerate(zip(base, got, strict=True)):
+        if j != skip and (fp8_trusted or b.dtype != torch.float8_e4m3fn):
+            assert_bitwise(f"output {j}", g, b, ctx)
+
+
+_STORELESS_CASES = [(i, m, k) for i in range(len(_STORELESS)) for (m, k) in _SHAPES_CPU]
+
+
+@pytest.fixture(scope="module")
+def storeless_interp():
+    calls = []
+    for i, m, k in _STORELESS_CASES:
+        module, fn, opt, _ = _STORELESS[i]
+        args = _storeless_args(fn, m, k, torch.float32, "cpu", precast=True)
+        calls += [(module, fn, args, {}), (module, fn, args, {opt: False})]
+    return run_interpreted(calls)
+
+
+@pytest.mark.parametrize(
+    "case", range(len(_STORELESS_CASES)), ids=[f"{_STORELESS[i][1]}-{m}x{k}" for i, m, k in _STORELESS_CASES]
+)
+def test_interpreter_storeless_launch_writes_the_same_bytes(storeless_interp, case):
+    i, m, k = _STORELESS_CASES[case]
+    _, fn, opt, skip = _STORELESS[i]
+    base, got = storeless_interp[2 * case], storeless_interp[2 * case + 1]
+    ctx = f"{fn} {opt}=False {m=} {k=}"
+    assert base["nonfinite"] is None and got["nonfinite"] is None, ctx
+    assert_bitwise("bytes", e4m3_bytes_of(got["args"][-1]), e4m3_bytes_of(base["args"][-1]), ctx)
+    _assert_same_but_unwritten(base["out"], got["out"], skip, ctx, fp8_trusted=False)
+
+
+@gpu
+@pytest.mark.parametrize("i", range(len(_STORELESS)), ids=[s[1] for s in _STORELESS])
+@pytest.mark.parametrize("m,k", _SHAPES_GPU)
+def test_gpu_storeless_launch_writes_the_same_bytes(i, m, k):
+    module, fn, opt, skip = _STORELESS[i]
+    for d, dtype in DTYPES.items():
+        args = _storeless_args(fn, m, k, dtype, "cuda", precast=False)
+        base, got = _call(module, fn, args, {}), _call(module, fn, args, {opt: False})
+        _assert_same_but_unwritten(base, got, skip, f"{fn} {opt}=False {m=} {k=} {d}", fp8_trusted=True)
+
+
+def _call(module: str, fn: str, args: tuple, kwargs: dict):
+    return getattr(importlib.import_module(f"jetrl.kernels.{module}"), fn)(*args, **kwargs)
