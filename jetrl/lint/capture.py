@@ -167,6 +167,12 @@ def _first_tensor(obj: Any) -> torch.Tensor | None:
     if isinstance(obj, torch.Tensor):
         return obj
     if _prequantized(obj) is not None:
+        if obj.y is None:
+            raise RuntimeError(
+                f"lint capture: the engine's fused producer {obj.op} did not write the value its FP8 bytes "
+                "quantize: the forward ran without jetrl.rollout.methods.producer_values open (vLLM compiled or "
+                "captured it before the Recorder was installed); capture an eager engine (enforce_eager=True)"
+            )
         return obj.y  # the BF16 value its bytes quantize
     if isinstance(obj, list | tuple):
         for o in obj:
@@ -204,6 +210,7 @@ class Recorder:
         with ``keep_tensors``)."""
         self._handles: list[Any] = []
         self._mode: _OpMode | None = None
+        self._values: Any = None
 
     def _on_op(self, op: str, args: Any, out: Any) -> None:
         module = self.stack[-1] if self.stack else ""
@@ -242,9 +249,16 @@ class Recorder:
             self._handles.append(mod.register_forward_hook(self._post(path), with_kwargs=True))
         self._mode = _OpMode(self)
         self._mode.__enter__()
+        from jetrl.rollout.methods import producer_values
+
+        self._values = producer_values()  # the engine's fused producers write the values recorded here
+        self._values.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._values is not None:
+            self._values.__exit__(*exc)
+            self._values = None
         if self._mode is not None:
             self._mode.__exit__(*exc)
             self._mode = None

@@ -32,6 +32,7 @@ trainer's `jetrl.kernels.check_nonfinite` reads) that `check_rollout_nonfinite` 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from dataclasses import dataclass
@@ -49,6 +50,8 @@ __all__ = [
     "block_forward",
     "block_forward_pre",
     "PreQuantized",
+    "producer_values",
+    "keep_producer_values",
     "naive_quantize_weight",
     "naive_forward",
     "naive_forward_impl",
@@ -188,15 +191,38 @@ def block_forward(x, w_q, w_s, bias, *, backend: str, name: str) -> torch.Tensor
 @dataclass
 class PreQuantized:
     """An activation a fused producer of the engine already quantized for the next ``jetrl_fp8`` Linear
-    (`jetrl.rollout.vllm_model`, ``engine_ops: fused``): its BF16 value `y` ``[..., K]``, the 1x128 bytes
-    `q` ``[M, K]`` and scales `s` (the consumer backend's scale layout), and the producing op. vLLM's Linear
-    layers hand their input to the quant method untouched, so it travels as the Linear's input; `y` is
-    kept for the lint's capture (the kernel writes it anyway)."""
+    (`jetrl.rollout.vllm_model`, ``engine_ops: fused``): the 1x128 bytes `q` ``[M, K]`` and scales `s` (the
+    consumer backend's scale layout), the producing op, and the ``[..., K]`` `shape` and `dtype` of the value
+    they quantize. vLLM's Linear layers hand their input to the quant method untouched, so it travels as the
+    Linear's input. The value itself, `y`, is written only while `producer_values` is open (the lint's
+    capture records it); otherwise the producer's kernel quantizes it without storing it (None)."""
 
-    y: torch.Tensor
     q: torch.Tensor
     s: torch.Tensor
     op: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    y: torch.Tensor | None = None
+
+
+_PRODUCER_VALUES = [0]
+
+
+@contextlib.contextmanager
+def producer_values():
+    """While open (in the process running the engine's model), the engine's fused producers also write the
+    value they quantize (`PreQuantized.y`), for `jetrl.lint.capture.Recorder`. Read when a producer runs,
+    so an engine whose forward vLLM compiled or captured into CUDA graphs outside it keeps not writing it."""
+    _PRODUCER_VALUES[0] += 1
+    try:
+        yield
+    finally:
+        _PRODUCER_VALUES[0] -= 1
+
+
+def keep_producer_values() -> bool:
+    """Whether `producer_values` is open: the engine's fused producers write their value."""
+    return _PRODUCER_VALUES[0] > 0
 
 
 def block_forward_pre(x_q, x_s, w_q, w_s, bias, *, backend: str, name: str, out_dtype: torch.dtype) -> torch.Tensor:

@@ -51,7 +51,7 @@ import importlib
 import torch
 from torch import nn
 
-from jetrl.rollout.methods import PreQuantized
+from jetrl.rollout.methods import PreQuantized, keep_producer_values
 
 __all__ = [
     "ENGINE_OPS",
@@ -112,20 +112,35 @@ def _add_norm(
     return hf_rms_norm(rows, weight, eps).view(s.shape), s
 
 
-def _fused_add_norm(x, residual, weight, eps, scale_layout, name):
-    """(y, q, s, residual + x) through jetrl's fused producer: the add in its kernel where there is a residual."""
+def _fused_add_norm(x, residual, weight, eps, scale_layout, name, keep_y=True):
+    """(y, q, s, residual + x) through jetrl's fused producer: the add in its kernel where there is a residual.
+    With ``keep_y=False`` y is an empty tensor, and on CUDA the kernel quantizes y without writing it (its
+    launcher, called directly: the lint records the ops, and then y is kept)."""
     from jetrl.kernels import add_rmsnorm_quant, rmsnorm_quant
+    from jetrl.kernels.rmsnorm_quant import launch_add_rmsnorm_quant, launch_rmsnorm_quant
 
     out_name = f"{name}:output"
+    bytes_only = not keep_y and x.is_cuda
+    k = x.shape[-1]
     if residual is None:
         rows, s = _summed(x, None)
-        y, q, sc, _ = rmsnorm_quant(rows, weight, eps, scale_layout=scale_layout, name=out_name)
-        return y.view(s.shape), q, sc, s
-    k = x.shape[-1]
-    y, q, sc, s = add_rmsnorm_quant(
-        x.reshape(-1, k), residual.reshape(-1, k), weight, eps, scale_layout=scale_layout, name=out_name
-    )
-    return y.view(x.shape), q, sc, s.view(x.shape)
+        if bytes_only:
+            y, q, sc, _ = launch_rmsnorm_quant(rows, weight, eps, scale_layout, out_name, store_y=False)
+        else:
+            y, q, sc, _ = rmsnorm_quant(rows, weight, eps, scale_layout=scale_layout, name=out_name)
+        return _value(y, x, x.shape, keep_y), q, sc, s
+    x2, r2 = x.reshape(-1, k), residual.reshape(-1, k)
+    if bytes_only:
+        y, q, sc, s = launch_add_rmsnorm_quant(x2, r2, weight, eps, scale_layout, out_name, store_y=False)
+    else:
+        y, q, sc, s = add_rmsnorm_quant(x2, r2, weight, eps, scale_layout=scale_layout, name=out_name)
+    return _value(y, x, x.shape, keep_y), q, sc, s.view(x.shape)
+
+
+def _value(y: torch.Tensor | None, like: torch.Tensor, shape, keep: bool) -> torch.Tensor:
+    """A producer's output in `shape`, or where it is not kept an empty tensor of `like`'s dtype (a custom op
+    returns tensors only)."""
+    return y.view(shape) if keep else like.new_empty(0)
 
 
 @_add_norm.register_fake
@@ -137,43 +152,50 @@ def _(x, residual, weight, eps, fused, name):
 
 @torch.library.custom_op("jetrl::engine_add_norm_quant", mutates_args=())
 def _add_norm_quant(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, scale_layout: str, name: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`_add_norm` through jetrl's fused producer, keeping its FP8 output: (y, q, s, residual)."""
-    return _fused_add_norm(x, residual, weight, eps, scale_layout, name)
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, scale_layout: str, name: str,
+    keep_y: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`_add_norm` through jetrl's fused producer, keeping its FP8 output: (y, q, s, residual); y empty
+    unless `keep_y`."""
+    return _fused_add_norm(x, residual, weight, eps, scale_layout, name, keep_y)
 
 
 @_add_norm_quant.register_fake
-def _(x, residual, weight, eps, scale_layout, name):
+def _(x, residual, weight, eps, scale_layout, name, keep_y):
     from jetrl.kernels import rmsnorm_quant
 
     m = x.numel() // x.shape[-1]
     _, q, sc, _ = rmsnorm_quant(x.new_empty((m, x.shape[-1])), weight, eps, scale_layout=scale_layout, name=name)
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format) if keep_y else x.new_empty(0)
     return y, q, sc, torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("jetrl::engine_swiglu_quant", mutates_args=())
 def _swiglu_quant(
-    gate_up: torch.Tensor, scale_layout: str, name: str
+    gate_up: torch.Tensor, scale_layout: str, name: str, keep_h: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`_swiglu` through `jetrl.kernels.swiglu_quant`, keeping its FP8 output: (h, q, s)."""
+    """`_swiglu` through `jetrl.kernels.swiglu_quant`, keeping its FP8 output: (h, q, s); h empty unless
+    `keep_h` (on CUDA the kernel then quantizes h without writing it, through its launcher)."""
     from jetrl.kernels import swiglu_quant
+    from jetrl.kernels.swiglu_quant import launch_swiglu_quant
 
     n = gate_up.shape[-1] // 2
     g2 = gate_up.reshape(-1, 2 * n)
-    h, q, sc = swiglu_quant(g2[:, :n], g2[:, n:], scale_layout=scale_layout, name=name)
-    return h.reshape(*gate_up.shape[:-1], n), q, sc
+    if gate_up.is_cuda and not keep_h:
+        h, q, sc = launch_swiglu_quant(g2[:, :n], g2[:, n:], scale_layout, name, store_h=False)
+    else:
+        h, q, sc = swiglu_quant(g2[:, :n], g2[:, n:], scale_layout=scale_layout, name=name)
+    return _value(h, gate_up, (*gate_up.shape[:-1], n), keep_h), q, sc
 
 
 @_swiglu_quant.register_fake
-def _(gate_up, scale_layout, name):
+def _(gate_up, scale_layout, name, keep_h):
     from jetrl.kernels import swiglu_quant
 
     n = gate_up.shape[-1] // 2
     g = gate_up.new_empty((gate_up.numel() // (2 * n), n))
     _, q, sc = swiglu_quant(g, g, scale_layout=scale_layout, name=name)
-    return gate_up.new_empty((*gate_up.shape[:-1], n)), q, sc
+    return gate_up.new_empty((*gate_up.shape[:-1], n) if keep_h else (0,)), q, sc
 
 
 @torch.library.custom_op("jetrl::engine_norm", mutates_args=())
@@ -252,8 +274,11 @@ class _ResidualNorm(nn.Module):
 
     def forward(self, x, residual=None):
         if self.handoff is not None:
-            y, q, sc, s = _add_norm_quant(x, residual, self.weight, self.variance_epsilon, self.handoff, self.name)
-            y = PreQuantized(y, q, sc, "jetrl::rmsnorm_quant")
+            keep = keep_producer_values()
+            y, q, sc, s = _add_norm_quant(
+                x, residual, self.weight, self.variance_epsilon, self.handoff, self.name, keep
+            )
+            y = PreQuantized(q, sc, "jetrl::rmsnorm_quant", x.shape, x.dtype, y if keep else None)
         else:
             y, s = _add_norm(x, residual, self.weight, self.variance_epsilon, self.fused, self.name)
         return y if residual is None else (y, s)
@@ -278,8 +303,10 @@ class _SwiGLU(nn.Module):
 
     def forward(self, x):
         if self.handoff is not None:
-            h, q, sc = _swiglu_quant(x, self.handoff, self.name)
-            return PreQuantized(h, q, sc, "jetrl::swiglu_quant")
+            keep = keep_producer_values()
+            h, q, sc = _swiglu_quant(x, self.handoff, self.name, keep)
+            shape = (*x.shape[:-1], x.shape[-1] // 2)
+            return PreQuantized(q, sc, "jetrl::swiglu_quant", shape, x.dtype, h if keep else None)
         return _swiglu(x, self.act, self.fused, self.name)
 
 

@@ -297,8 +297,8 @@ class JetFP8LinearMethod(_JetLinearBase):
         name = f"{self.prefix}:input"
         if isinstance(x, PreQuantized):  # from a fused producer of the trainer-matched model
             w, s = layer.weight, layer.weight_scale_inv
-            y = rollout_fprop_fp8(x.q, x.s, w, s, bias, self.cfg.backend, name, x.y.dtype)
-            return y.view(*x.y.shape[:-1], y.shape[-1])
+            y = rollout_fprop_fp8(x.q, x.s, w, s, bias, self.cfg.backend, name, x.dtype)
+            return y.view(*x.shape[:-1], y.shape[-1])
         return rollout_linear_fp8(x, layer.weight, layer.weight_scale_inv, bias, self.cfg.backend, name)
 
     @property

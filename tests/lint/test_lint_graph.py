@@ -167,6 +167,40 @@ def test_capture_refuses_engine_modules_it_does_not_model():
         trace_model(model, rec, side="rollout", source="test")
 
 
+def test_recorder_has_the_engines_fused_producers_write_their_values():
+    """The engine's fused producers write the BF16 value their FP8 bytes quantize only while a `Recorder` is
+    open (`jetrl.rollout.methods.producer_values`): the capture records it; a value left unwritten (a forward
+    vLLM compiled before the Recorder) is refused by name, not recorded as missing."""
+    import torch
+
+    from jetrl.lint.capture import Recorder
+    from jetrl.rollout.methods import PreQuantized, keep_producer_values
+
+    class Producer(torch.nn.Module):
+        def forward(self, x):
+            y = x if keep_producer_values() else None
+            q = x.to(torch.float8_e4m3fn)
+            return PreQuantized(q, torch.ones(1, 1), "jetrl::rmsnorm_quant", x.shape, x.dtype, y)
+
+    class Consumer(torch.nn.Module):
+        def forward(self, p):
+            return p.q.float()
+
+    model = torch.nn.Sequential(Producer(), Consumer())
+    x = torch.arange(4.0).reshape(1, 4)
+    assert Producer()(x).y is None  # outside a Recorder nothing is written
+    with Recorder(model, keep_tensors=True) as rec:
+        assert keep_producer_values()
+        model(x)
+    assert not keep_producer_values()
+    assert torch.equal(rec.module_calls["1"].x, x)
+    assert rec.prequantized["1"][0] == "jetrl::rmsnorm_quant"
+    unwritten = Producer()(x)
+    with Recorder(model) as rec, pytest.raises(RuntimeError, match="jetrl::rmsnorm_quant did not write the value"):
+        model[1](unwritten)
+    assert not keep_producer_values()
+
+
 def test_lint_engine_gets_a_small_kv_cache_unless_sized(monkeypatch, tmp_path):
     """The lint's own engine must not take vLLM's default 90% of a GPU: ``python -m jetrl.verl`` lints in the
     driver right before verl starts its engines on the same GPU (on the H200 verl's vLLM then found 8.8 of

@@ -29,6 +29,15 @@ def test_a_changed_byte_is_named(bench):
     assert bench.differing(a, tuple(b)) == ["q", "rope k"]
 
 
+def test_producers_without_their_value_give_the_same_bytes_on_cpu(bench):
+    t = {**bench.layer_inputs(8, "cpu", seed=4), "gate_up": bench._gate_up(8, "cpu", seed=4)}
+    kept, bare = bench.producers(t, "deepgemm", True), bench.producers(t, "deepgemm", False)
+    assert [tuple(v.shape) for v in kept[:3]] == [(8, bench.HIDDEN)] * 2 + [(8, bench.INTERMEDIATE)]
+    assert [v.numel() for v in bare[:3]] == [0, 0, 0]
+    assert bench.differing(kept[3:], bare[3:], range(8)) == []
+    bench.check_producers(8, "cpu", "row")
+
+
 def test_q_and_k_are_strided_slices_of_one_qkv(bench):
     t = bench.layer_inputs(4, "cpu", seed=3)
     assert t["q"].stride(0) == t["k"].stride(0) == (bench.Q_HEADS + 2 * bench.KV_HEADS) * bench.HEAD_DIM
