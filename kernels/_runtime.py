@@ -9,6 +9,10 @@ when the launcher runs, reused on the next step), so `check_nonfinite` — one d
 caller makes once per step — can say which op saw which tensor go bad. Nothing synchronises inside
 the kernels' launchers. The CPU path (the ``torch_<op>`` references) raises at once instead.
 
+A launcher given ``live`` (an integer ``[M]`` tensor, e.g. vLLM's slot mapping) flags only the rows whose
+entry is >= 0: a CUDA-graph batch padded to its captured size carries rows of stale memory (entry -1)
+that are no input, and whose NaN bit patterns must not fail the step (`live_rows`, `check_live`).
+
 A kernel that saw non-finite input still writes outputs (garbage for the affected groups); they must
 not be used, which is why `check_nonfinite` raises rather than returns.
 """
@@ -32,6 +36,8 @@ __all__ = [
     "scale_buffer",
     "to_scale_layout",
     "check_matrix",
+    "check_live",
+    "live_rows",
     "count_nonfinite",
     "abs_max",
     "e4m3_scale",
@@ -149,6 +155,30 @@ def check_matrix(x: torch.Tensor, name: str, op: str, *, inner_contiguous: bool 
             f"{op}: {name} must have unit stride along its last dim, got strides {x.stride()} "
             f"(call .contiguous() first)"
         )
+
+
+def check_live(live: torch.Tensor | None, m: int, x: torch.Tensor, name: str, op: str) -> None:
+    """`live` (None, or an integer ``[m]`` tensor on x's device: rows whose entry is < 0 set no flag) or a
+    ValueError naming the op and the tensor."""
+    if live is None:
+        return
+    if live.dim() != 1 or live.shape[0] != m or live.dtype.is_floating_point or live.dtype == torch.bool:
+        raise ValueError(
+            f"{op}: live rows of {name} must be an integer [{m}] tensor (entry < 0: a padding row), got "
+            f"{live.dtype} {tuple(live.shape)}"
+        )
+    if live.device != x.device or live.stride(0) != 1:
+        raise ValueError(f"{op}: live rows of {name} must be contiguous on {x.device}, got {live.device}")
+
+
+@triton.jit
+def live_rows(live_ptr, offs_m, mask_m, HAS_LIVE: tl.constexpr):
+    """Per row of a tile, whether its non-finite values set the flag: every row in range, or with HAS_LIVE
+    only those whose `live_ptr` entry is >= 0 (`check_live`)."""
+    if HAS_LIVE:
+        return mask_m & (tl.load(live_ptr + offs_m, mask=mask_m, other=-1) >= 0)
+    else:
+        return mask_m
 
 
 def groups(k: int) -> int:

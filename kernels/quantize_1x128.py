@@ -26,11 +26,13 @@ from jetrl.recipe import BLOCK, DEFAULT_EPS, E4M3_MAX
 from ._runtime import (
     SCALE_LAYOUTS,
     abs_max,
+    check_live,
     check_matrix,
     count_nonfinite,
     e4m3_grid,
     e4m3_scale,
     groups,
+    live_rows,
     nonfinite_flag,
     scale_buffer,
     to_scale_layout,
@@ -49,6 +51,7 @@ def _quantize_1x128_kernel(
     pre_ptr,
     flag_ptr,
     flag_slot,
+    live_ptr,
     M,
     K,
     G,
@@ -63,6 +66,7 @@ def _quantize_1x128_kernel(
     G_FASTEST: tl.constexpr,
     STORE_PRECAST: tl.constexpr,
     RCP: tl.constexpr,
+    HAS_LIVE: tl.constexpr,
 ):
     # 1-D grid over [BLOCK_M, 128] tiles; G_FASTEST walks a band of rows group by group (the tiles
     # in flight at once cover whole contiguous rows), else each group column top to bottom
@@ -86,7 +90,8 @@ def _quantize_1x128_kernel(
     # scale per group: max(amax, eps) / 448, correctly rounded; the NaN-propagating amax also
     # carries the non-finite test (one predicated store per program)
     amax = abs_max(x, 1)
-    tl.store(flag_ptr + flag_slot, 1, mask=count_nonfinite(amax) > 0)
+    live = live_rows(live_ptr, offs_m, mask_m, HAS_LIVE)
+    tl.store(flag_ptr + flag_slot, 1, mask=count_nonfinite(tl.where(live, amax, 0.0)) > 0)
     s = e4m3_scale(amax, EPS, FP8_MAX)
 
     # quantize: true division, clamp, then the RNE cast
@@ -106,6 +111,7 @@ def launch_quantize_1x128(
     num_warps: int = 4,
     rcp: bool = True,
     g_fastest: bool = True,
+    live: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the Triton kernel.
 
@@ -117,8 +123,11 @@ def launch_quantize_1x128(
     Tuning options (same bytes either way; defaults are the fastest of ``bench_kernels.py --sweep`` on
     the H200): ``block_m``, ``num_warps``, ``rcp`` (divide through the per-group reciprocal,
     `_runtime.e4m3_grid`), ``g_fastest`` (program order along the groups of a row band first).
+    ``live``: an integer ``[M]`` tensor (vLLM's slot mapping): only rows whose entry is >= 0 set the
+    non-finite flag (`_runtime.check_live`); the bytes are the same.
     """
     check_matrix(x, name, OP)
+    check_live(live, x.shape[0], x, name, OP)
     assert scale_layout in SCALE_LAYOUTS, f"{OP}: scale_layout={scale_layout!r}, choose one of {SCALE_LAYOUTS}"
     m, k = x.shape
     g = groups(k)
@@ -138,6 +147,7 @@ def launch_quantize_1x128(
         precast if precast is not None else q,
         flag,
         slot,
+        live if live is not None else flag,
         m,
         k,
         g,
@@ -152,6 +162,7 @@ def launch_quantize_1x128(
         G_FASTEST=bool(g_fastest),
         STORE_PRECAST=precast is not None,
         RCP=bool(rcp),
+        HAS_LIVE=live is not None,
         num_warps=num_warps,
     )
     return q, s

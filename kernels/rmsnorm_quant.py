@@ -52,11 +52,13 @@ from ._runtime import (
     ROUND_MODES,
     SCALE_LAYOUTS,
     abs_max,
+    check_live,
     check_matrix,
     count_nonfinite,
     e4m3_grid,
     e4m3_scale,
     groups,
+    live_rows,
     nonfinite_flag,
     round_to,
     scale_buffer,
@@ -92,6 +94,7 @@ def _norm_quant_chunk(
     offs_m,
     offs_g,
     mask_m,
+    live,
     K,
     y_ptr,
     q_ptr,
@@ -125,7 +128,7 @@ def _norm_quant_chunk(
     tl.store(s_ptr + offs_m[:, None] * stride_sm + offs_g[None, :] * stride_sg, s, mask=s_mask)
     if STORE_PRECAST:
         tl.store(pre_ptr + rows * K + cols, qv, mask=mask)
-    return count_nonfinite(amax)
+    return count_nonfinite(tl.where(live[:, None], amax, 0.0))
 
 
 @triton.jit
@@ -155,6 +158,7 @@ def _rmsnorm_quant_kernel(
     pre_ptr,
     flag_ptr,
     flag_slot,
+    live_ptr,
     M,
     K,
     stride_xm,
@@ -173,10 +177,12 @@ def _rmsnorm_quant_kernel(
     RCP: tl.constexpr,
     HAS_RES: tl.constexpr,
     MODE: tl.constexpr,
+    HAS_LIVE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
+    live = live_rows(live_ptr, offs_m, mask_m, HAS_LIVE)
     rows = offs_m.to(tl.int64)[:, None, None]
     offs_c = tl.arange(0, GROUP)
     if SINGLE:
@@ -192,7 +198,7 @@ def _rmsnorm_quant_kernel(
         rstd = tl.math.rsqrt(var + rms_eps)
         w = tl.load(w_ptr + cols2, mask=cols2 < K, other=0.0).to(tl.float32)
         n_bad = _norm_quant_chunk(
-            x_raw, w, rstd, rows, cols, mask, offs_m, offs_g, mask_m, K, y_ptr, q_ptr, s_ptr, pre_ptr,
+            x_raw, w, rstd, rows, cols, mask, offs_m, offs_g, mask_m, live, K, y_ptr, q_ptr, s_ptr, pre_ptr,
             stride_sm, stride_sg, EPS, FP8_MAX, GROUP, STORE_Y, STORE_PRECAST, RCP,
         )  # fmt: skip
     else:
@@ -215,7 +221,7 @@ def _rmsnorm_quant_kernel(
             x_raw = _load_rows(x_ptr, r_ptr, sum_ptr, rows, cols, mask, stride_xm, stride_rm, K, HAS_RES, True, MODE)
             w = tl.load(w_ptr + cols2, mask=cols2 < K, other=0.0).to(tl.float32)
             n_bad += _norm_quant_chunk(
-                x_raw, w, rstd, rows, cols, mask, offs_m, offs_g, mask_m, K, y_ptr, q_ptr, s_ptr, pre_ptr,
+                x_raw, w, rstd, rows, cols, mask, offs_m, offs_g, mask_m, live, K, y_ptr, q_ptr, s_ptr, pre_ptr,
                 stride_sm, stride_sg, EPS, FP8_MAX, GROUP, STORE_Y, STORE_PRECAST, RCP,
             )  # fmt: skip
     tl.store(rstd_ptr + offs_m, rstd, mask=mask_m)
@@ -285,6 +291,7 @@ def launch_rmsnorm_quant(
     name: str = "x",
     precast: torch.Tensor | None = None,
     store_y: bool = True,
+    live: torch.Tensor | None = None,
     **config,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the fused forward kernel.
@@ -298,9 +305,10 @@ def launch_rmsnorm_quant(
     ``config``: launch overrides ``block_m``, ``block_k`` (a power of two >= 128: rows up to it stay in
     registers, longer rows go in chunks of it), ``num_warps`` (these three change the fp32 reduction
     order of the variance, so y may move by an ulp), and ``rcp`` (default on: divide through the
-    per-group reciprocal, `_runtime.e4m3_grid`; same bytes).
+    per-group reciprocal, `_runtime.e4m3_grid`; same bytes). ``live``: an integer ``[M]`` tensor (vLLM's slot
+    mapping): only rows whose entry is >= 0 set the non-finite flag (`_runtime.check_live`); the same bytes.
     """
-    return _launch(x, None, weight, eps, scale_layout, name, precast, store_y, config)[:4]
+    return _launch(x, None, weight, eps, scale_layout, name, precast, store_y, live, config)[:4]
 
 
 def launch_add_rmsnorm_quant(
@@ -312,6 +320,7 @@ def launch_add_rmsnorm_quant(
     name: str = "x",
     precast: torch.Tensor | None = None,
     store_y: bool = True,
+    live: torch.Tensor | None = None,
     **config,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`launch_rmsnorm_quant` of ``residual + x`` (added in x.dtype as eager torch adds, rounded once), in the
@@ -319,14 +328,15 @@ def launch_add_rmsnorm_quant(
     `residual`: x's shape and dtype, last-dim stride 1."""
     check_matrix(residual, f"{name} (residual)", OP_ADD)
     _check_residual(x, residual, name)
-    y, q, s, _, total = _launch(x, residual, weight, eps, scale_layout, name, precast, store_y, config)
+    y, q, s, _, total = _launch(x, residual, weight, eps, scale_layout, name, precast, store_y, live, config)
     return y, q, s, total
 
 
-def _launch(x, residual, weight, eps, scale_layout, name, precast, store_y, config):
+def _launch(x, residual, weight, eps, scale_layout, name, precast, store_y, live, config):
     """(y or None, q, s, rstd, residual + x or None) of one `_rmsnorm_quant_kernel` launch."""
     op = OP if residual is None else OP_ADD
     check_matrix(x, name, op)
+    check_live(live, x.shape[0], x, name, op)
     _check_weight(weight, x, name)
     assert scale_layout in SCALE_LAYOUTS, f"{op}: scale_layout={scale_layout!r}, choose one of {SCALE_LAYOUTS}"
     m, k = x.shape
@@ -364,6 +374,7 @@ def _launch(x, residual, weight, eps, scale_layout, name, precast, store_y, conf
         precast if precast is not None else q,
         flag,
         slot,
+        live if live is not None else flag,
         m,
         k,
         x.stride(0),
@@ -382,6 +393,7 @@ def _launch(x, residual, weight, eps, scale_layout, name, precast, store_y, conf
         RCP=rcp,
         HAS_RES=residual is not None,
         MODE=ROUND_MODES[x.dtype],
+        HAS_LIVE=live is not None,
         num_warps=num_warps,
     )
     return y, q, s, rstd, total

@@ -33,11 +33,13 @@ from jetrl.recipe import BLOCK, DEFAULT_EPS, E4M3_MAX
 from ._runtime import (
     SCALE_LAYOUTS,
     abs_max,
+    check_live,
     check_matrix,
     count_nonfinite,
     e4m3_grid,
     e4m3_scale,
     groups,
+    live_rows,
     nonfinite_flag,
     scale_buffer,
     to_scale_layout,
@@ -72,6 +74,7 @@ def _swiglu_quant_kernel(
     pre_ptr,
     flag_ptr,
     flag_slot,
+    live_ptr,
     M,
     N,
     stride_gm,
@@ -85,6 +88,7 @@ def _swiglu_quant_kernel(
     STORE_H: tl.constexpr,
     STORE_PRECAST: tl.constexpr,
     RCP: tl.constexpr,
+    HAS_LIVE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_g = tl.program_id(1)
@@ -108,7 +112,8 @@ def _swiglu_quant_kernel(
     # 1x128 quantization of the stored h; its NaN-propagating amax carries the non-finite test
     # (NaN/Inf in gate or up always reach h: silu(+-inf) is inf/NaN, and 0 * inf is NaN)
     amax = abs_max(hf, 1)
-    tl.store(flag_ptr + flag_slot, 1, mask=count_nonfinite(amax) > 0)
+    live = live_rows(live_ptr, offs_m, mask_m, HAS_LIVE)
+    tl.store(flag_ptr + flag_slot, 1, mask=count_nonfinite(tl.where(live, amax, 0.0)) > 0)
     s = e4m3_scale(amax, EPS, FP8_MAX)
     y = e4m3_grid(hf, s[:, None], FP8_MAX, RCP)
     tl.store(q_ptr + rows * N + offs_n[None, :], y.to(tl.float8e4nv), mask=mask)
@@ -173,6 +178,7 @@ def launch_swiglu_quant(
     num_warps: int = 4,
     rcp: bool = True,
     store_h: bool = True,
+    live: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Run the fused forward kernel.
 
@@ -183,9 +189,11 @@ def launch_swiglu_quant(
     scales: fp32 ``[M, ceil(N/128)]``, strides ``(G, 1)`` (``"row"``) or ``(1, align(M, 4))`` (``"deepgemm"``).
     ``precast`` (tests only): fp32 ``[M, N]`` buffer receiving the clamped ``h / s`` before the cast.
     ``rcp``: divide through the per-group reciprocal (`_runtime.e4m3_grid`; same bytes; default: it
-    measured faster on the H200).
+    measured faster on the H200). ``live``: an integer ``[M]`` tensor (vLLM's slot mapping): only rows whose
+    entry is >= 0 set the non-finite flag (`_runtime.check_live`); the bytes are the same.
     """
     _check_pair(gate, up, OP, True)
+    check_live(live, gate.shape[0], gate, name, OP)
     assert scale_layout in SCALE_LAYOUTS, f"{OP}: scale_layout={scale_layout!r}, choose one of {SCALE_LAYOUTS}"
     m, n = gate.shape
     dev = gate.device
@@ -208,6 +216,7 @@ def launch_swiglu_quant(
         precast if precast is not None else q,
         flag,
         slot,
+        live if live is not None else flag,
         m,
         n,
         gate.stride(0),
@@ -221,6 +230,7 @@ def launch_swiglu_quant(
         STORE_H=bool(store_h),
         STORE_PRECAST=precast is not None,
         RCP=bool(rcp),
+        HAS_LIVE=live is not None,
         num_warps=num_warps,
     )
     return h, q, s

@@ -62,10 +62,12 @@ def linear_fp8(
     *,
     backend: str | GemmBackend = "auto",
     name: str = "x",
+    live: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """FP8 Linear forward. Input: x ``[..., K]`` bf16/fp16/fp32; w_q e4m3 ``[N, K]``; w_s fp32
     ``[ceil(N/128), ceil(K/128)]``; bias ``[N]`` or None. Output: ``[..., N]`` in x.dtype.
-    `name` names x in non-finite errors (e.g. "model.layers.3.mlp.down_proj:input")."""
+    `name` names x in non-finite errors (e.g. "model.layers.3.mlp.down_proj:input"); `live`: see
+    `jetrl.gemm.quantize.quantize_1x128`."""
     if isinstance(backend, GemmBackend):  # the hot path: callers hold the backend object
         be = backend
     else:
@@ -77,6 +79,6 @@ def linear_fp8(
     k = x.shape[-1]
     n = _check_weight(w_q, w_s, k, name)
     x2 = x.reshape(-1, k)
-    x_q, x_s = quantize_1x128(x2, scale_layout=be.scale_layout, name=name)
+    x_q, x_s = quantize_1x128(x2, scale_layout=be.scale_layout, name=name, live=live)
     y = fprop(x_q, x_s, w_q, w_s, bias, backend=be, out_dtype=x.dtype, name=name)
     return y.reshape(*x.shape[:-1], n)

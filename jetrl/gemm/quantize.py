@@ -127,10 +127,12 @@ def _route(op: str, x: torch.Tensor):
     return fn
 
 
-def quantize_1x128(x: torch.Tensor, *, scale_layout: str = "row", name: str = "x"):
-    """x [M, K] -> (q e4m3 [M, K], s fp32 [M, ceil(K/128)] in `scale_layout`)."""
+def quantize_1x128(x: torch.Tensor, *, scale_layout: str = "row", name: str = "x", live: torch.Tensor | None = None):
+    """x [M, K] -> (q e4m3 [M, K], s fp32 [M, ceil(K/128)] in `scale_layout`). `live` (the rollout engine's
+    step rows, `jetrl.rollout.methods.live_rows`): an integer [M] tensor whose rows < 0 set no non-finite
+    flag, honoured by the launcher of the eager fast path; every other path tests every row."""
     if eager_fast_path(x):
-        return launcher("quantize_1x128", "launch_quantize_1x128")(x, scale_layout, name)
+        return launcher("quantize_1x128", "launch_quantize_1x128")(x, scale_layout, name, live=live)
     fn = _route("quantize_1x128", x)
     if fn is not None:
         return fn(x, scale_layout=scale_layout, name=name)

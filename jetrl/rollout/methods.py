@@ -22,8 +22,8 @@ Two rollout precisions exist, chosen by the recipe's rollout QuantSpecs:
 Every method is compile-safe (vLLM runs them under torch.compile with CUDA graphs): the FP8 forwards
 are opaque torch ops, and nothing in them synchronises with the host on CUDA. Non-finite Linear
 input is never dropped silently: CPU raises at once, CUDA sets a device flag (the naive method's
-per-layer flag, over the step's real token rows; the Triton quantizer's flag in block mode, which the
-trainer's `jetrl.kernels.check_nonfinite` reads) that `check_rollout_nonfinite` turns into
+per-layer flag; the Triton kernels' flags in block mode, which the trainer's `jetrl.kernels.check_nonfinite`
+reads; both over the step's real token rows, `live_rows`) that `check_rollout_nonfinite` turns into
 `NonFiniteError` naming the layer after each generate.
 
 `RolloutQuantConfig` is the serialisable description handed to vLLM (as the checkpoint's
@@ -59,7 +59,8 @@ __all__ = [
     "nonfinite_flag",
     "check_rollout_nonfinite",
     "reset_rollout_nonfinite",
-    "set_row_mask_provider",
+    "live_rows",
+    "set_live_rows_provider",
 ]
 
 CHECKPOINT_FORMATS = ("bf16", "fp8-128x128")
@@ -185,7 +186,7 @@ def block_forward(x, w_q, w_s, bias, *, backend: str, name: str) -> torch.Tensor
     """The rollout Linear of block mode: exactly `jetrl.gemm.linear_fp8`."""
     from jetrl.gemm import linear_fp8
 
-    return linear_fp8(x, w_q, w_s, bias, backend=backend, name=name)
+    return linear_fp8(x, w_q, w_s, bias, backend=backend, name=name, live=live_rows(x.numel() // x.shape[-1]))
 
 
 @dataclass
@@ -284,12 +285,12 @@ def naive_forward_impl(x, w_q, w_s, bias, act_spec: QuantSpec, name: str, *, def
     if not defer:
         return _naive_eager(x, w_q, w_s, bias, act_spec, name)
     flag = nonfinite_flag(name, x.device)
-    rows = None if _row_mask_provider is None else _row_mask_provider(x.reshape(-1, x.shape[-1]).shape[0])
+    rows = live_rows(x.numel() // x.shape[-1])
 
     def _record(t: torch.Tensor, _name: str) -> None:
         bad = ~torch.isfinite(t)
         if rows is not None and t.dim() == 2 and t.shape[0] == rows.shape[0]:
-            bad = bad.any(-1) & rows  # padding rows of a CUDA-graph batch hold stale memory: not inputs
+            bad = bad.any(-1) & (rows >= 0)  # padding rows of a CUDA-graph batch hold stale memory: not inputs
         flag.bitwise_or_(bad.any().to(torch.int32).reshape(1))
 
     with defer_finite_checks(_record):
@@ -320,19 +321,27 @@ def _(x, w_q, w_s, bias, eps, scale_format, division, name):
 
 # -- non-finite flags of the rollout methods ----------------------------------------------------
 
-_row_mask_provider = None
-"""None, or ``fn(n_rows) -> bool [n_rows] device tensor | None``: which rows of the current engine step's
-Linear inputs are real tokens. vLLM pads a CUDA-graph batch to its captured size and leaves the padding
-rows' activations unwritten (stale memory, NaN bit patterns included), so the deferred finite test looks
-at real rows only. Set by the vLLM plugin (`set_row_mask_provider`), which reads vLLM's step context."""
+_live_rows_provider = None
+"""None, or ``fn(n_rows) -> integer [n_rows] device tensor | None``: per row of the current engine step's
+activations, an entry < 0 where the row is padding (vLLM's slot mapping). vLLM pads a CUDA-graph batch to
+its captured size and leaves the padding rows' activations unwritten (stale memory, NaN bit patterns
+included; attention writes only the real rows), so the deferred finite tests look at real rows only. Set by
+the vLLM plugin (`set_live_rows_provider`), which reads vLLM's step context."""
 
 
-def set_row_mask_provider(fn) -> None:
-    """Install (or, with None, remove) the `_row_mask_provider` of this process."""
-    global _row_mask_provider
+def set_live_rows_provider(fn) -> None:
+    """Install (or, with None, remove) the `_live_rows_provider` of this process."""
+    global _live_rows_provider
     if fn is not None and not callable(fn):
-        raise TypeError(f"set_row_mask_provider: expected a callable or None, got {fn!r}")
-    _row_mask_provider = fn
+        raise TypeError(f"set_live_rows_provider: expected a callable or None, got {fn!r}")
+    _live_rows_provider = fn
+
+
+def live_rows(n_rows: int) -> torch.Tensor | None:
+    """The current engine step's rows as the ``live`` argument of `jetrl.kernels`' launchers (an integer
+    ``[n_rows]`` tensor, < 0 on padding rows), or None (every row counts) outside a step or without a
+    provider. Called in the ops' eager bodies, so a captured CUDA graph reads the step's buffer each replay."""
+    return None if _live_rows_provider is None else _live_rows_provider(n_rows)
 
 
 _flag_lock = threading.Lock()
@@ -368,8 +377,8 @@ def check_rollout_nonfinite(*, kernels: bool = False, reset: bool = True) -> Non
 
     Reads the naive method's per-layer flags (one device-to-host copy per device) and, with `kernels`,
     also the Triton kernels' flags (`jetrl.kernels.check_nonfinite`; the jetrl_fp8 method's activation
-    quantizer sets them, on every row of its input, CUDA-graph padding rows included, and the trainer
-    reads them each step). Call after a generate, outside any graph. With `reset` the flags are
+    quantizer and the fused engine's producers set them, on the step's real rows (`live_rows`), and the
+    trainer reads them each step). Call after a generate, outside any graph. With `reset` the flags are
     cleared, also when raising."""
     bad: list[str] = []
     with _flag_lock:

@@ -51,7 +51,7 @@ import importlib
 import torch
 from torch import nn
 
-from jetrl.rollout.methods import PreQuantized, keep_producer_values
+from jetrl.rollout.methods import PreQuantized, keep_producer_values, live_rows
 
 __all__ = [
     "ENGINE_OPS",
@@ -115,7 +115,8 @@ def _add_norm(
 def _fused_add_norm(x, residual, weight, eps, scale_layout, name, keep_y=True):
     """(y, q, s, residual + x) through jetrl's fused producer: the add in its kernel where there is a residual.
     With ``keep_y=False`` y is an empty tensor, and on CUDA the kernel quantizes y without writing it (its
-    launcher, called directly: the lint records the ops, and then y is kept)."""
+    launcher, called directly: the lint records the ops, and then y is kept), its non-finite flag set by the
+    step's real rows only (`methods.live_rows`: CUDA-graph padding rows hold stale memory)."""
     from jetrl.kernels import add_rmsnorm_quant, rmsnorm_quant
     from jetrl.kernels.rmsnorm_quant import launch_add_rmsnorm_quant, launch_rmsnorm_quant
 
@@ -125,13 +126,15 @@ def _fused_add_norm(x, residual, weight, eps, scale_layout, name, keep_y=True):
     if residual is None:
         rows, s = _summed(x, None)
         if bytes_only:
-            y, q, sc, _ = launch_rmsnorm_quant(rows, weight, eps, scale_layout, out_name, store_y=False)
+            live = live_rows(rows.shape[0])
+            y, q, sc, _ = launch_rmsnorm_quant(rows, weight, eps, scale_layout, out_name, store_y=False, live=live)
         else:
             y, q, sc, _ = rmsnorm_quant(rows, weight, eps, scale_layout=scale_layout, name=out_name)
         return _value(y, x, x.shape, keep_y), q, sc, s
     x2, r2 = x.reshape(-1, k), residual.reshape(-1, k)
     if bytes_only:
-        y, q, sc, s = launch_add_rmsnorm_quant(x2, r2, weight, eps, scale_layout, out_name, store_y=False)
+        live = live_rows(x2.shape[0])
+        y, q, sc, s = launch_add_rmsnorm_quant(x2, r2, weight, eps, scale_layout, out_name, store_y=False, live=live)
     else:
         y, q, sc, s = add_rmsnorm_quant(x2, r2, weight, eps, scale_layout=scale_layout, name=out_name)
     return _value(y, x, x.shape, keep_y), q, sc, s.view(x.shape)
@@ -182,7 +185,8 @@ def _swiglu_quant(
     n = gate_up.shape[-1] // 2
     g2 = gate_up.reshape(-1, 2 * n)
     if gate_up.is_cuda and not keep_h:
-        h, q, sc = launch_swiglu_quant(g2[:, :n], g2[:, n:], scale_layout, name, store_h=False)
+        live = live_rows(g2.shape[0])
+        h, q, sc = launch_swiglu_quant(g2[:, :n], g2[:, n:], scale_layout, name, store_h=False, live=live)
     else:
         h, q, sc = swiglu_quant(g2[:, :n], g2[:, n:], scale_layout=scale_layout, name=name)
     return _value(h, gate_up, (*gate_up.shape[:-1], n), keep_h), q, sc

@@ -61,7 +61,7 @@ from jetrl.rollout.methods import (
     block_quantize_weight,
     naive_forward,
     naive_quantize_weight,
-    set_row_mask_provider,
+    set_live_rows_provider,
 )
 
 logger = logging.getLogger(__name__)
@@ -384,11 +384,11 @@ def _warm_up_gemm(backend_name: str, weight: torch.Tensor, prefix: str) -> None:
     )  # fmt: skip
 
 
-def _real_token_rows(n_rows: int) -> torch.Tensor | None:
-    """Bool ``[n_rows]``: True for the current step's real tokens, False for CUDA-graph padding (and for
-    every row of a dummy run), from vLLM's step slot mapping (-1 = no KV slot). None outside a step
+def _step_slots(n_rows: int) -> torch.Tensor | None:
+    """vLLM's slot mapping of the current step, integer ``[n_rows]``: -1 on CUDA-graph padding rows (and on
+    every row of a dummy run), the real tokens' KV slots otherwise (`methods.live_rows`). None outside a step
     or when the mapping does not cover exactly `n_rows` rows (micro-batched steps): then every row counts.
-    Read inside the naive op's eager body, so a captured graph reads the persistent buffer each replay."""
+    Read inside the ops' eager bodies, so a captured graph reads the persistent buffer each replay."""
     from vllm.forward_context import get_forward_context, is_forward_context_available
 
     if not is_forward_context_available():
@@ -399,7 +399,7 @@ def _real_token_rows(n_rows: int) -> torch.Tensor | None:
     slots = next(iter(mapping.values()))
     if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.shape[0] != n_rows:
         return None
-    return slots >= 0
+    return slots
 
 
 def _request_amx_permission() -> None:
@@ -422,7 +422,7 @@ def register() -> None:
 
     _request_amx_permission()
     register_models()
-    set_row_mask_provider(_real_token_rows)
+    set_live_rows_provider(_step_slots)
     for cls in (JetFP8LinearMethod, JetFP8NaiveLinearMethod, JetBF16LinearMethod):
         if cls.__name__ not in WEIGHT_LOADER_V2_SUPPORTED:
             # weight_loader_v2 is the loader that knows BlockQuantScaleParameter's fused-shard offsets

@@ -232,3 +232,95 @@ def test_gpu_storeless_launch_writes_the_same_bytes(i, m, k):
 
 def _call(module: str, fn: str, args: tuple, kwargs: dict):
     return getattr(importlib.import_module(f"jetrl.kernels.{module}"), fn)(*args, **kwargs)
+
+
+# `live` rows (the rollout engine passes vLLM's slot mapping, -1 on CUDA-graph padding): rows whose entry is < 0
+# set no non-finite flag, the others still do, and every byte is the default launch's.
+_LIVE = [
+    ("quantize_1x128", "launch_quantize_1x128"),
+    ("swiglu_quant", "launch_swiglu_quant"),
+    ("rmsnorm_quant", "launch_rmsnorm_quant"),
+    ("rmsnorm_quant", "launch_add_rmsnorm_quant"),
+]
+_LIVE_M, _LIVE_K = 70, 300  # rows over two row blocks of every launcher's default tile
+_NAN_ROWS = (3, 69)
+
+
+def _live_args(fn: str, device: str) -> tuple:
+    """A launcher's args whose input holds NaN / Inf in rows `_NAN_ROWS`."""
+    if fn == "launch_quantize_1x128":
+        x = make_input(_LIVE_M, _LIVE_K, torch.float32, "randn", seed=5, device=device)
+        x[_NAN_ROWS[0], 7], x[_NAN_ROWS[1], 290] = float("nan"), float("inf")
+        return (x, "deepgemm", "t.x")
+    x, *rest = _storeless_args(fn, _LIVE_M, _LIVE_K, torch.float32, device, precast=False)
+    x = x.clone()
+    x[_NAN_ROWS[0], 7], x[_NAN_ROWS[1], 290] = float("nan"), float("inf")
+    return (x, *rest)
+
+
+def _live(device: str, dead: tuple[int, ...]) -> torch.Tensor:
+    live = torch.arange(_LIVE_M, dtype=torch.int64, device=device)
+    live[list(dead)] = -1
+    return live
+
+
+@pytest.fixture(scope="module")
+def live_interp():
+    calls = []
+    for module, fn in _LIVE:
+        args = _live_args(fn, "cpu")
+        calls += [
+            (module, fn, args, {}),
+            (module, fn, args, {"live": _live("cpu", _NAN_ROWS)}),
+            (module, fn, args, {"live": _live("cpu", _NAN_ROWS[:1])}),
+        ]
+    return run_interpreted(calls)
+
+
+def _assert_live_contract(base, base_err, dead, dead_err, half, half_err, ctx: str) -> None:
+    """Outputs and non-finite messages of the default launch, with both NaN rows dead, with one of them dead."""
+    assert base_err is not None and "t." in base_err, f"{ctx}: the NaN rows must flag a launch without live rows"
+    assert dead_err is None, f"{ctx}: only padding rows held NaN/Inf, yet the flag was set: {dead_err}"
+    assert half_err is not None, f"{ctx}: a live row held Inf and set no flag"
+    for j, (b, d, h) in enumerate(zip(base, dead, half, strict=True)):
+        if b is not None:
+            assert_bitwise(f"output {j}", d, b, f"{ctx} (padding rows dead)")
+            assert_bitwise(f"output {j}", h, b, f"{ctx} (one padding row)")
+
+
+@pytest.mark.parametrize("i", range(len(_LIVE)), ids=[fn for _, fn in _LIVE])
+def test_interpreter_live_rows_flag_only_real_rows(live_interp, i):
+    base, dead, half = live_interp[3 * i : 3 * i + 3]
+    _assert_live_contract(*(r[key] for r in (base, dead, half) for key in ("out", "nonfinite")), _LIVE[i][1])
+
+
+@gpu
+@pytest.mark.parametrize("i", range(len(_LIVE)), ids=[fn for _, fn in _LIVE])
+def test_gpu_live_rows_flag_only_real_rows(i):
+    from jetrl.kernels import check_nonfinite
+    from jetrl.quant import NonFiniteError
+
+    module, fn = _LIVE[i]
+    args = _live_args(fn, "cuda")
+
+    def run(kwargs):
+        out = _call(module, fn, args, kwargs)
+        try:
+            check_nonfinite()
+        except NonFiniteError as e:
+            return out, str(e)
+        return out, None
+
+    (base, base_err), (dead, dead_err), (half, half_err) = (
+        run({}), run({"live": _live("cuda", _NAN_ROWS)}), run({"live": _live("cuda", _NAN_ROWS[:1])})
+    )  # fmt: skip
+    _assert_live_contract(base, base_err, dead, dead_err, half, half_err, fn)
+
+
+def test_live_rows_must_be_an_integer_row_vector():
+    from jetrl.kernels.quantize_1x128 import launch_quantize_1x128
+
+    x = torch.zeros(4, 128)
+    for bad in (torch.zeros(3, dtype=torch.int64), torch.zeros(4), torch.ones(4, dtype=torch.bool)):
+        with pytest.raises(ValueError, match="live rows of t.x must be an integer \\[4\\] tensor"):
+            launch_quantize_1x128(x, "row", "t.x", live=bad)

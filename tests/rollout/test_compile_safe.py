@@ -191,18 +191,18 @@ def test_deferred_naive_forward_sets_the_layer_flag_and_check_raises_with_its_na
 
 def test_deferred_check_skips_cuda_graph_padding_rows():
     """vLLM pads a CUDA-graph batch and leaves the padding rows unwritten: only real rows are inputs."""
-    from jetrl.rollout.methods import set_row_mask_provider
+    from jetrl.rollout.methods import set_live_rows_provider
 
     x, w = _operands(m=4)
     w_q, w_s = naive_quantize_weight(w, NAIVE.rollout_weight, name="w")
-    real = torch.tensor([True, True, True, False])  # 3 tokens padded to a captured size of 4
+    real = torch.tensor([7, 12, 0, -1])  # vLLM's slot mapping: 3 tokens padded to a captured size of 4
     seen = []
 
     def provider(n_rows):
         seen.append(n_rows)
         return real
 
-    set_row_mask_provider(provider)
+    set_live_rows_provider(provider)
     try:
         stale = x.clone()
         stale[3] = float("nan")  # the padding row's stale memory
@@ -215,9 +215,9 @@ def test_deferred_check_skips_cuda_graph_padding_rows():
             check_rollout_nonfinite()
         assert seen == [4, 4]
     finally:
-        set_row_mask_provider(None)
+        set_live_rows_provider(None)
     with pytest.raises(TypeError, match="callable"):
-        set_row_mask_provider(3)
+        set_live_rows_provider(3)
 
 
 class _FakeLLM:
