@@ -11,7 +11,7 @@ the kernels' launchers. The CPU path (the ``torch_<op>`` references) raises at o
 
 A launcher given ``live`` (an integer ``[M]`` tensor, e.g. vLLM's slot mapping) flags only the rows whose
 entry is >= 0: a CUDA-graph batch padded to its captured size carries rows of stale memory (entry -1)
-that are no input, and whose NaN bit patterns must not fail the step (`live_rows`, `check_live`).
+that are no input, and whose NaN bit patterns must not fail the step (`live_row_mask`, `check_live`).
 
 A kernel that saw non-finite input still writes outputs (garbage for the affected groups); they must
 not be used, which is why `check_nonfinite` raises rather than returns.
@@ -37,7 +37,7 @@ __all__ = [
     "to_scale_layout",
     "check_matrix",
     "check_live",
-    "live_rows",
+    "live_row_mask",
     "count_nonfinite",
     "abs_max",
     "e4m3_scale",
@@ -172,7 +172,7 @@ def check_live(live: torch.Tensor | None, m: int, x: torch.Tensor, name: str, op
 
 
 @triton.jit
-def live_rows(live_ptr, offs_m, mask_m, HAS_LIVE: tl.constexpr):
+def live_row_mask(live_ptr, offs_m, mask_m, HAS_LIVE: tl.constexpr):
     """Per row of a tile, whether its non-finite values set the flag: every row in range, or with HAS_LIVE
     only those whose `live_ptr` entry is >= 0 (`check_live`)."""
     if HAS_LIVE:

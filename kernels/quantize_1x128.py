@@ -32,7 +32,7 @@ from ._runtime import (
     e4m3_grid,
     e4m3_scale,
     groups,
-    live_rows,
+    live_row_mask,
     nonfinite_flag,
     scale_buffer,
     to_scale_layout,
@@ -90,7 +90,7 @@ def _quantize_1x128_kernel(
     # scale per group: max(amax, eps) / 448, correctly rounded; the NaN-propagating amax also
     # carries the non-finite test (one predicated store per program)
     amax = abs_max(x, 1)
-    live = live_rows(live_ptr, offs_m, mask_m, HAS_LIVE)
+    live = live_row_mask(live_ptr, offs_m, mask_m, HAS_LIVE)
     tl.store(flag_ptr + flag_slot, 1, mask=count_nonfinite(tl.where(live, amax, 0.0)) > 0)
     s = e4m3_scale(amax, EPS, FP8_MAX)
 

@@ -58,7 +58,7 @@ from ._runtime import (
     e4m3_grid,
     e4m3_scale,
     groups,
-    live_rows,
+    live_row_mask,
     nonfinite_flag,
     round_to,
     scale_buffer,
@@ -182,7 +182,7 @@ def _rmsnorm_quant_kernel(
     pid = tl.program_id(0)
     offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
-    live = live_rows(live_ptr, offs_m, mask_m, HAS_LIVE)
+    live = live_row_mask(live_ptr, offs_m, mask_m, HAS_LIVE)
     rows = offs_m.to(tl.int64)[:, None, None]
     offs_c = tl.arange(0, GROUP)
     if SINGLE:

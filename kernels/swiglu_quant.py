@@ -39,7 +39,7 @@ from ._runtime import (
     e4m3_grid,
     e4m3_scale,
     groups,
-    live_rows,
+    live_row_mask,
     nonfinite_flag,
     scale_buffer,
     to_scale_layout,
@@ -112,7 +112,7 @@ def _swiglu_quant_kernel(
     # 1x128 quantization of the stored h; its NaN-propagating amax carries the non-finite test
     # (NaN/Inf in gate or up always reach h: silu(+-inf) is inf/NaN, and 0 * inf is NaN)
     amax = abs_max(hf, 1)
-    live = live_rows(live_ptr, offs_m, mask_m, HAS_LIVE)
+    live = live_row_mask(live_ptr, offs_m, mask_m, HAS_LIVE)
     tl.store(flag_ptr + flag_slot, 1, mask=count_nonfinite(tl.where(live, amax, 0.0)) > 0)
     s = e4m3_scale(amax, EPS, FP8_MAX)
     y = e4m3_grid(hf, s[:, None], FP8_MAX, RCP)
