@@ -220,6 +220,39 @@ def test_deferred_check_skips_cuda_graph_padding_rows():
         set_live_rows_provider(3)
 
 
+def test_block_forward_hands_the_step_rows_to_the_quantizer_launcher(monkeypatch):
+    """The jetrl_fp8 Linear passes the step's rows (`live_rows`: vLLM's slot mapping) to the Triton quantizer on
+    the eager fast path, whose flag then skips the padding rows (`tests/kernels/test_launch_options.py`)."""
+    from jetrl.gemm import quantize as gq
+    from jetrl.kernels.quantize_1x128 import torch_quantize_1x128
+    from jetrl.rollout.methods import block_forward, block_quantize_weight, set_live_rows_provider
+
+    seen = []
+
+    def launcher(x, scale_layout, name, live=None):
+        seen.append((tuple(x.shape), name, live))
+        return torch_quantize_1x128(x, scale_layout=scale_layout, name=name)
+
+    x, w = _operands(m=4)
+    w_q, w_s = block_quantize_weight(w, name="w")
+    monkeypatch.setattr(gq, "FAST_PATH_DEVICE_TYPES", ("cpu", "cuda"))  # the activations' quantizer: the fake below
+    monkeypatch.setitem(gq._LAUNCHERS, "quantize_1x128.launch_quantize_1x128", launcher)
+    slots = torch.tensor([7, 12, 0, -1])
+    set_live_rows_provider(lambda n_rows: slots if n_rows == 4 else None)
+    try:
+        block_forward(x.reshape(2, 2, 256), w_q, w_s, None, backend="emulated", name="l.o_proj:input")
+        block_forward(x[:3], w_q, w_s, None, backend="emulated", name="l.o_proj:input")  # not the step's rows
+    finally:
+        set_live_rows_provider(None)
+    block_forward(x, w_q, w_s, None, backend="emulated", name="l.o_proj:input")  # no provider
+    assert [s[:2] for s in seen] == [
+        ((4, 256), "l.o_proj:input"),
+        ((3, 256), "l.o_proj:input"),
+        ((4, 256), "l.o_proj:input"),
+    ]
+    assert seen[0][2] is slots and seen[1][2] is None and seen[2][2] is None
+
+
 class _FakeLLM:
     """What `Engine` needs of ``vllm.LLM`` for the flag bookkeeping: ``apply_model`` on an in-process model."""
 
