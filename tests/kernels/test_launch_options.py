@@ -249,11 +249,9 @@ _NAN_ROWS = (3, 69)
 def _live_args(fn: str, device: str) -> tuple:
     """A launcher's args whose input holds NaN / Inf in rows `_NAN_ROWS`."""
     if fn == "launch_quantize_1x128":
-        x = make_input(_LIVE_M, _LIVE_K, torch.float32, "randn", seed=5, device=device)
-        x[_NAN_ROWS[0], 7], x[_NAN_ROWS[1], 290] = float("nan"), float("inf")
-        return (x, "deepgemm", "t.x")
-    x, *rest = _storeless_args(fn, _LIVE_M, _LIVE_K, torch.float32, device, precast=False)
-    x = x.clone()
+        x, *rest = make_input(_LIVE_M, _LIVE_K, torch.float32, "randn", seed=5, device=device), "deepgemm", "t.x"
+    else:
+        x, *rest = _storeless_args(fn, _LIVE_M, _LIVE_K, torch.float32, device, precast=False)
     x[_NAN_ROWS[0], 7], x[_NAN_ROWS[1], 290] = float("nan"), float("inf")
     return (x, *rest)
 
