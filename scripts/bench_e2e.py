@@ -530,12 +530,15 @@ def merge(paths: list[Path]) -> dict:
 
 
 def result_path(out: dict, folder: Path) -> Path:
-    """``folder/e2e-[<shape>-l<layers>-][strict-]<gpu|cpu>.json`` (no shape part for the 0.6B and tiny models; the
-    strict part where a run has the strict numerics; a CPU's `benchmeta.device_name` starts with "CPU")."""
+    """``folder/e2e-[<shape>-l<layers>-][mp-][strict-]<gpu|cpu>.json`` (no shape part for the 0.6B and tiny models;
+    the mp part where the engine ran in vLLM's worker process, ``--rollout-executor mp``; the strict part where a
+    run has the strict numerics; a CPU's `benchmeta.device_name` starts with "CPU")."""
     device = out["device"]
     tag = benchmeta.device_tag(device)
     shape = out["shape"]
     name = "" if shape is None or shape["name"] == "qwen3-0.6b" else f"{shape['name']}-l{shape['layers']}-"
+    if out["config"].get("rollout_executor", ADDED_KEYS["rollout_executor"]) == "mp":
+        name += "mp-"
     if "strict" in (out["config"].get("numerics") or "hf").split(","):
         name += "strict-"
     return folder / f"e2e-{name}{tag}.json"

@@ -83,6 +83,9 @@ def test_result_names(bench, tmp_path):
     assert bench.result_path(part, tmp_path).name == "e2e-nvidia-h200.json"
     part["shape"] = {"name": "llama3.1-8b", "layers": 8}
     assert bench.result_path(part, tmp_path).name == "e2e-llama3.1-8b-l8-nvidia-h200.json"
+    part["config"]["rollout_executor"] = "mp"  # the engine in vLLM's worker: its own file beside the uni one
+    assert bench.result_path(part, tmp_path).name == "e2e-llama3.1-8b-l8-mp-nvidia-h200.json"
+    part["config"]["rollout_executor"] = "uni"
     part.update(device="CPU x86_64 x2", shape=None)
     assert bench.result_path(part, tmp_path).name == "e2e-cpu.json"
 
