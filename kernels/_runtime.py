@@ -168,7 +168,9 @@ def check_live(live: torch.Tensor | None, m: int, x: torch.Tensor, name: str, op
             f"{live.dtype} {tuple(live.shape)}"
         )
     if live.device != x.device or live.stride(0) != 1:
-        raise ValueError(f"{op}: live rows of {name} must be contiguous on {x.device}, got {live.device}")
+        raise ValueError(
+            f"{op}: live rows of {name} must be contiguous on {x.device}, got stride {live.stride(0)} on {live.device}"
+        )
 
 
 @triton.jit

@@ -322,3 +322,5 @@ def test_live_rows_must_be_an_integer_row_vector():
     for bad in (torch.zeros(3, dtype=torch.int64), torch.zeros(4), torch.ones(4, dtype=torch.bool)):
         with pytest.raises(ValueError, match="live rows of t.x must be an integer \\[4\\] tensor"):
             launch_quantize_1x128(x, "row", "t.x", live=bad)
+    with pytest.raises(ValueError, match="live rows of t.x must be contiguous on cpu, got stride 2 on cpu"):
+        launch_quantize_1x128(x, "row", "t.x", live=torch.arange(8)[::2])
