@@ -30,6 +30,7 @@ from jetrl.recipe import BLOCK
 
 __all__ = [
     "SCALE_LAYOUTS",
+    "SCALE_STRIDE_UNALIGNED",
     "check_nonfinite",
     "nonfinite_flag",
     "reset_nonfinite",
@@ -47,6 +48,13 @@ __all__ = [
 ]
 
 SCALE_LAYOUTS = ("row", "deepgemm")
+SCALE_STRIDE_UNALIGNED = ("stride_sg",)
+"""``do_not_specialize_on_alignment`` of the kernels that write `scale_buffer`'s ``"deepgemm"`` layout. Triton
+compiles one variant per (M % 16 == 0, stride % 16 == 0) pair of its int arguments; the group stride there is
+``align(M, 4)``, so M = 13..15 (mod 16) makes a pair no CUDA-graph capture size (1, 2, 4, 8, 16, 24, ...) compiles,
+and vLLM's first prefill of such a token count stopped to JIT-compile each producer mid-rollout (its JIT monitor
+named them on the H200). Without the stride's alignment in the key, M's variants are the only ones: those the
+capture sizes compile. The store of one group's scales is a run of BLOCK_M fp32 along M, unaffected."""
 _FLOAT_INPUTS = (torch.float32, torch.bfloat16, torch.float16)
 
 _lock = threading.Lock()

@@ -25,6 +25,7 @@ from jetrl.recipe import BLOCK, DEFAULT_EPS, E4M3_MAX
 
 from ._runtime import (
     SCALE_LAYOUTS,
+    SCALE_STRIDE_UNALIGNED,
     abs_max,
     check_live,
     check_matrix,
@@ -43,7 +44,7 @@ __all__ = ["quantize_1x128", "torch_quantize_1x128", "launch_quantize_1x128"]
 OP = "jetrl::quantize_1x128"
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=SCALE_STRIDE_UNALIGNED)
 def _quantize_1x128_kernel(
     x_ptr,
     q_ptr,

@@ -51,6 +51,7 @@ from jetrl.recipe import BLOCK, DEFAULT_EPS, E4M3_MAX
 from ._runtime import (
     ROUND_MODES,
     SCALE_LAYOUTS,
+    SCALE_STRIDE_UNALIGNED,
     abs_max,
     check_live,
     check_matrix,
@@ -145,7 +146,7 @@ def _load_rows(x_ptr, r_ptr, sum_ptr, rows, cols, mask, stride_xm, stride_rm, K,
     return x_raw
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=SCALE_STRIDE_UNALIGNED)
 def _rmsnorm_quant_kernel(
     x_ptr,
     r_ptr,

@@ -32,6 +32,7 @@ from jetrl.recipe import BLOCK, DEFAULT_EPS, E4M3_MAX
 
 from ._runtime import (
     SCALE_LAYOUTS,
+    SCALE_STRIDE_UNALIGNED,
     abs_max,
     check_live,
     check_matrix,
@@ -64,7 +65,7 @@ def _silu_f32(g):
     return tl.math.div_rn(g, 1.0 + tl.exp(-g))
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=SCALE_STRIDE_UNALIGNED)
 def _swiglu_quant_kernel(
     g_ptr,
     u_ptr,
