@@ -36,8 +36,9 @@ The step is split into rollout / old log-probs (the no-grad pass over the batch,
 sync (the trainer's ``time/*`` of each step). ``--numerics hf,strict`` times each recipe with the default
 and with the strict numerics (``model.numerics=strict``, runs keyed ``<recipe>-strict``, written to
 ``e2e-[...-]strict-<device>.json``) and reports the strict / hf ratio of each phase. ``--profile-rollout``
-adds, per run, the engine alone in the trainer's process after the timed steps (`rollout_probe`: a step's
-generate timed, one of ``--profile-tokens`` tokens profiled as ``bench_rollout.py --profile`` does);
+adds, per run, the engine alone after the timed steps (`rollout_probe`: a step's generate timed, one of
+``--profile-tokens`` tokens profiled as ``bench_rollout.py --profile`` does; with ``--rollout-executor mp`` by
+vLLM's profiler in its worker);
 ``--profile-train`` one more training phase profiled (`train_profile`: wall vs GPU-busy, the top kernels).
 Every response runs to its budget (ignore_eos); ``--min-tokens N`` draws each prompt's budget from [N,
 --max-tokens] (`vary_response_lengths`), so that micro-batches differ in width as in RL, where the training
@@ -65,7 +66,7 @@ import tempfile
 from pathlib import Path
 
 import benchmeta
-from profiling import profile_cuda
+from profiling import profile_cuda, profile_worker, worker_profiler_config
 from shape_model import SHAPES, reusable_model_dir, shape_config, write_shape_model
 
 RECIPES = ("jetrl-unified", "bf16")
@@ -119,11 +120,19 @@ def _config(args, recipe: str, model_path: str, out_dir: str) -> dict:
             "max_tokens": args.max_tokens,
             "max_model_len": args.max_tokens + 16,
             "gpu_memory_utilization": args.gpu_memory_utilization if cuda else None,
-            "engine_kwargs": (
-                {"enforce_eager": False, "compilation_config": {"cudagraph_capture_sizes": CAPTURE_SIZES}}
-                if args.cuda_graphs
-                else {}
-            ),
+            "engine_kwargs": {
+                **(
+                    {"enforce_eager": False, "compilation_config": {"cudagraph_capture_sizes": CAPTURE_SIZES}}
+                    if args.cuda_graphs
+                    else {}
+                ),
+                # --profile-rollout of a model in vLLM's worker: that process records itself (`rollout_probe`)
+                **(
+                    {"profiler_config": worker_profiler_config(Path(out_dir) / "traces")}
+                    if args.profile_rollout and args.rollout_executor == "mp"
+                    else {}
+                ),
+            },
             "ignore_eos": True,
             "engine_ops": "hf"
             if args.engine_ops == "fused" and not Recipe.from_name(recipe).train_fp8
@@ -234,10 +243,13 @@ def gpu_memory() -> dict | None:
 
 
 def rollout_probe(tr, profile_tokens: int) -> dict:
-    """The rollout engine alone, in the trainer's process after its timed steps: one generate of a step's shape
-    timed (a step's rollout phase less its scoring and filtering), then `profiling.profile_cuda` of one of
-    `profile_tokens` output tokens (wall vs GPU-busy ms per decode step, top kernels). Compared with
-    ``bench_rollout.py --profile`` of the same shape, it tells whether the engine runs slower beside a trainer."""
+    """The rollout engine alone after the trainer's timed steps: one generate of a step's shape timed (a step's
+    rollout phase less its scoring and filtering), then a profile of one of `profile_tokens` output tokens (wall
+    vs GPU-busy ms per decode step, top kernels): `profiling.profile_cuda` in this process, or with the model in
+    vLLM's worker (the engine created with `_config`'s ``profiler_config``) `profiling.profile_worker`, which
+    also records the worker's host time. Compared with ``bench_rollout.py --profile`` of the same shape and
+    executor, it tells whether the engine runs slower beside a trainer, and whether the GPU or the host takes
+    the extra time."""
     import time
 
     from jetrl.tasks.arithmetic import Stream
@@ -260,7 +272,13 @@ def rollout_probe(tr, profile_tokens: int) -> dict:
     samples = generate(r.max_tokens)
     generate_s = time.perf_counter() - t0
     tokens = sum(len(s.response_ids) for s in samples)
-    profile = profile_cuda(lambda: generate(profile_tokens), steps=profile_tokens)
+    profiler = r.engine_kwargs.get("profiler_config")
+    if profiler is not None:
+        trace_dir = Path(profiler["torch_profiler_dir"])
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        profile = profile_worker(tr.engine, lambda: generate(profile_tokens), profile_tokens, trace_dir)
+    else:
+        profile = profile_cuda(lambda: generate(profile_tokens), steps=profile_tokens)
     return {"generate_s": generate_s, "tokens": tokens, "tok_s": tokens / generate_s, "profile": profile}
 
 
@@ -357,7 +375,8 @@ def parse_args(argv: list[str] | None):
         "--profile-rollout",
         action="store_true",
         help="after the timed steps, time one generate of a step's shape and profile one of --profile-tokens "
-        "tokens, in the trainer's process (recorded per run as rollout_probe; CUDA)",
+        "tokens (with --rollout-executor mp by vLLM's profiler in its worker; recorded per run as rollout_probe; "
+        "CUDA)",
     )
     p.add_argument("--profile-tokens", type=int, default=64, help="output tokens of --profile-rollout's profile")
     p.add_argument(
@@ -410,9 +429,6 @@ def parse_args(argv: list[str] | None):
             p.error(f"--{flag.replace('_', '-')} profiles CUDA kernels: not with --tiny")
     if args.profile_tokens < 1:
         p.error(f"--profile-tokens {args.profile_tokens} must be >= 1")
-    if args.profile_rollout and args.rollout_executor == "mp":
-        p.error("--profile-rollout profiles the engine in this process; with --rollout-executor mp the model runs in "
-                "vLLM's worker: bench_rollout.py --profile --multiprocess --executor mp")  # fmt: skip
     if args.rollout_executor == "mp" and "strict" in numerics:
         p.error("--rollout-executor mp: numerics strict sets vLLM up in the trainer's process (use uni)")
     args.prompts = args.prompts or (16 if args.tiny else 32)
@@ -492,9 +508,10 @@ def print_table(out: dict) -> None:
             print(f"{r} update: {pad:.1%} of the computed token slots are padding (mean response {length:.0f})")
         if (pr := run.get("rollout_probe")) is not None:
             p = pr["profile"]
+            host = f", {p['host_busy_ms_per_step']:.2f} host-busy" if "host_busy_ms_per_step" in p else ""
             print(
                 f"{r} rollout probe: generate {pr['generate_s']:.2f} s ({pr['tok_s']:.0f} tok/s); "
-                f"{p['wall_ms_per_step']:.2f} ms/step wall, {p['gpu_busy_ms_per_step']:.2f} GPU-busy"
+                f"{p['wall_ms_per_step']:.2f} ms/step wall, {p['gpu_busy_ms_per_step']:.2f} GPU-busy{host}"
             )
         if (tp := run.get("train_profile")) is not None:
             head = ", ".join(f"{k['name'][:40]} {k['share']:.0%}" for k in tp["top_kernels"][:4])
@@ -530,9 +547,10 @@ def merge(paths: list[Path]) -> dict:
 
 
 def result_path(out: dict, folder: Path) -> Path:
-    """``folder/e2e-[<shape>-l<layers>-][mp-][strict-]<gpu|cpu>.json`` (no shape part for the 0.6B and tiny models;
-    the mp part where the engine ran in vLLM's worker process, ``--rollout-executor mp``; the strict part where a
-    run has the strict numerics; a CPU's `benchmeta.device_name` starts with "CPU")."""
+    """``folder/e2e-[<shape>-l<layers>-][mp-][strict-][probe-]<gpu|cpu>.json`` (no shape part for the 0.6B and tiny
+    models; the mp part where the engine ran in vLLM's worker process, ``--rollout-executor mp``; the strict part
+    where a run has the strict numerics; the probe part where a run holds a ``--profile-rollout`` probe, a
+    diagnosis kept apart from the plain comparison; a CPU's `benchmeta.device_name` starts with "CPU")."""
     device = out["device"]
     tag = benchmeta.device_tag(device)
     shape = out["shape"]
@@ -541,6 +559,8 @@ def result_path(out: dict, folder: Path) -> Path:
         name += "mp-"
     if "strict" in (out["config"].get("numerics") or "hf").split(","):
         name += "strict-"
+    if any("rollout_probe" in run for run in out["runs"].values()):
+        name += "probe-"
     return folder / f"e2e-{name}{tag}.json"
 
 

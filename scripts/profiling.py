@@ -14,6 +14,8 @@ __all__ = [
     "profile_summary",
     "profile_cuda",
     "profile_host",
+    "profile_worker",
+    "worker_profiler_config",
     "read_trace",
     "launch_kind",
     "DEVICE_EVENT_CATEGORIES",
@@ -250,3 +252,39 @@ def profile_host(fn: Callable[[], object], *, steps: int, top: int = 20) -> dict
             for (file, line, name), (_, calls, tot, cum, _) in rows
         ],
     }
+
+
+def worker_profiler_config(trace_dir: Path, python: bool = False) -> dict:
+    """vLLM's ``profiler_config`` for `profile_worker`: torch.profiler in the model's processes, traces into
+    `trace_dir`; with `python` also their Python calls (``with_stack``: the trace's ``python_function`` events,
+    whose self times `profiling.read_trace` sums; the tracing slows the host, so the profiled wall time grows)."""
+    return {"profiler": "torch", "torch_profiler_dir": str(trace_dir), "torch_profiler_with_stack": python}
+
+
+def profile_worker(engine, generate, tokens: int, trace_dir: Path) -> dict:
+    """`profile_summary` of one call of `generate` when the engine's model runs in another process:
+    vLLM's own profiler (the engine was created with a ``profiler_config`` writing to `trace_dir`) records the
+    worker meanwhile, the call is timed here, and the GPU time comes from the trace the worker wrote
+    (`read_trace`; tensor-parallel rank 0's)."""
+    before = set(trace_dir.glob("*.pt.trace.json*"))
+    engine.llm.start_profile()
+    t0 = time.perf_counter()
+    generate()
+    wall = time.perf_counter() - t0
+    engine.llm.stop_profile()  # the workers write their traces before it returns
+    traces = sorted(set(trace_dir.glob("*.pt.trace.json*")) - before)
+    # vLLM names a worker's trace <prefix>_<rank suffix>.<time>.pt.trace.json.gz, the suffix ending in rank<global
+    # rank> (dp0_pp0_tp0_dcp0_ep0_rank0), or rank<global rank> alone before the parallel state exists
+    rank0 = [t for t in traces if t.name.split(".", 1)[0].split("_")[-1] == "rank0"]
+    if not rank0:
+        raise RuntimeError(f"vLLM's profiler wrote no rank-0 trace into {trace_dir} (new: {[t.name for t in traces]})")
+    trace = read_trace(rank0[0])
+    summary = profile_summary(
+        trace.kernels,
+        wall_s=wall,
+        steps=tokens,
+        host_calls=trace.host_calls,
+        host_busy_us=trace.host_busy_us,
+        host_self=trace.host_self,
+    )
+    return {"profiled_in": "vLLM worker (vLLM's profiler)", **summary}

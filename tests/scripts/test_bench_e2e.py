@@ -85,6 +85,9 @@ def test_result_names(bench, tmp_path):
     assert bench.result_path(part, tmp_path).name == "e2e-llama3.1-8b-l8-nvidia-h200.json"
     part["config"]["rollout_executor"] = "mp"  # the engine in vLLM's worker: its own file beside the uni one
     assert bench.result_path(part, tmp_path).name == "e2e-llama3.1-8b-l8-mp-nvidia-h200.json"
+    part["runs"]["bf16"]["rollout_probe"] = {}  # a diagnosis (--profile-rollout) does not replace the comparison
+    assert bench.result_path(part, tmp_path).name == "e2e-llama3.1-8b-l8-mp-probe-nvidia-h200.json"
+    del part["runs"]["bf16"]["rollout_probe"]
     part["config"]["rollout_executor"] = "uni"
     part.update(device="CPU x86_64 x2", shape=None)
     assert bench.result_path(part, tmp_path).name == "e2e-cpu.json"
@@ -163,11 +166,10 @@ def test_rollout_executor_is_the_configs_and_held_fixed(bench, capsys):
         assert config_from_dict(cfg).rollout.executor == "mp"
     assert bench.parse_args([]).rollout_executor == "uni"
     assert "rollout_executor" in bench.CONFIG_KEYS and bench.ADDED_KEYS["rollout_executor"] == "uni"
-    for argv in (["--profile-rollout"], ["--numerics", "strict", "--engine-ops", "hf"]):
-        bench.parse_args(argv)  # fine with the in-process engine
-        with pytest.raises(SystemExit):
-            bench.parse_args(["--rollout-executor", "mp", *argv])
-        assert "--rollout-executor mp" in capsys.readouterr().err
+    bench.parse_args(["--numerics", "strict", "--engine-ops", "hf"])  # fine with the in-process engine
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--rollout-executor", "mp", "--numerics", "strict", "--engine-ops", "hf"])
+    assert "--rollout-executor mp" in capsys.readouterr().err
 
 
 def test_merge_reads_older_results_without_the_later_options(bench, tmp_path):
@@ -280,6 +282,50 @@ def test_rollout_probe_times_a_steps_shape_then_profiles_a_short_one(bench, monk
     assert all(c["ignore_eos"] and c["temperature"] == 1.0 for c in calls)
     assert probe["tokens"] == 4 * 3 * 40 and probe["tok_s"] == probe["tokens"] / probe["generate_s"]
     assert probe["profile"] == {"steps": 16}
+
+
+def test_rollout_probe_of_a_worker_uses_vllms_profiler(bench, monkeypatch, tmp_path):
+    """--profile-rollout --rollout-executor mp: the engine is created with vLLM's profiler writing into the run's
+    folder, and the probe's short generate is profiled there by `profiling.profile_worker` (the model's process
+    records itself), not by torch.profiler in this process, which would see no kernel of it."""
+    from types import SimpleNamespace
+
+    from jetrl.train.config import config_from_dict
+
+    calls = []
+
+    class Engine:
+        def generate(self, prompts, **kw):
+            calls.append(kw["max_tokens"])
+            return [SimpleNamespace(response_ids=[7] * kw["max_tokens"]) for _ in range(len(prompts) * kw["n"])]
+
+    args = bench.parse_args(["--rollout-executor", "mp", "--max-tokens", "40", "--profile-rollout", "--cuda-graphs"])
+    cfg = bench._config(args, "jetrl-unified", "/m", str(tmp_path / "run"))
+    kw = cfg["rollout"]["engine_kwargs"]
+    assert kw["profiler_config"] == bench.worker_profiler_config(tmp_path / "run" / "traces")
+    assert kw["compilation_config"] == {"cudagraph_capture_sizes": bench.CAPTURE_SIZES}  # graphs kept beside it
+    cfg["model"]["path"] = None
+    cfg = config_from_dict(cfg)
+    tr = SimpleNamespace(
+        cfg=cfg,
+        engine=Engine(),
+        tokens=SimpleNamespace(encode_problem=lambda p: [1, 2]),
+        task=SimpleNamespace(problems=lambda stream, step, n: [f"p{i}" for i in range(n)]),
+    )
+    seen = []
+
+    def profile_worker(engine, generate, tokens, trace_dir):
+        generate()
+        seen.append((engine, tokens, trace_dir, trace_dir.is_dir()))
+        return {"steps": tokens, "profiled_in": "worker"}
+
+    monkeypatch.setattr(bench, "profile_worker", profile_worker)
+    monkeypatch.setattr(bench, "profile_cuda", lambda fn, steps: pytest.fail("profiled this process"))
+    probe = bench.rollout_probe(tr, 16)
+    assert calls == [40, 16] and seen == [(tr.engine, 16, tmp_path / "run" / "traces", True)]
+    assert probe["profile"] == {"steps": 16, "profiled_in": "worker"}
+    without = bench._config(bench.parse_args(["--rollout-executor", "mp"]), "bf16", "/m", "/r")
+    assert "profiler_config" not in without["rollout"]["engine_kwargs"]  # no profiler unless asked
 
 
 def test_train_profile_profiles_one_more_training_phase(bench, monkeypatch):

