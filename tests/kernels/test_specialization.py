@@ -13,6 +13,8 @@ bytes. On CPU the kernels run under the interpreter, which compiles nothing: GPU
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from kernels_cases import assert_bitwise, make_input
@@ -31,9 +33,10 @@ def _producers():
     mapping as live rows) and as the trainer does (its output stored too), and returns the engine's ``(q, s)``
     with what they must equal: `torch_quantize_1x128` of the stored output (the kernels' contract; y of the
     norm is within ulps of HF, its bytes are those of its own y) or, for quantize_1x128, of the input."""
-    from jetrl.kernels import quantize_1x128 as q1
-    from jetrl.kernels import rmsnorm_quant as rq
-    from jetrl.kernels import swiglu_quant as sq
+    # the modules (the package's names of the same spelling are the ops)
+    q1, rq, sq = (
+        importlib.import_module(f"jetrl.kernels.{m}") for m in ("quantize_1x128", "rmsnorm_quant", "swiglu_quant")
+    )
 
     w = (1 + 0.1 * make_input(1, _K, torch.float32, "randn", seed=1)[0]).to(torch.bfloat16).cuda()
 
