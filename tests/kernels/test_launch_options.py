@@ -59,7 +59,8 @@ _SHAPES_GPU = [(4095, 5120), (257, 14336), (13, 200), (129, 1000)]
 
 def _args(op: str, m: int, k: int, d: str, device: str, precast: bool):
     x = make_input(m, k, DTYPES[d], "wide-range", seed=m + k, device=device)
-    pre = [torch.empty((k, m) if op.startswith("transpose") else (m, k))] if precast else []
+    # NaN-filled: a lane a launch leaves unwritten reads as e4m3 NaN, never as a byte it should have written
+    pre = [torch.full((k, m) if op.startswith("transpose") else (m, k), float("nan"))] if precast else []
     if op == "quantize_1x128":
         return (x, "deepgemm", "t.x", *pre)
     if op == "transpose_quantize":
@@ -82,20 +83,25 @@ _CASES = [
 ]
 
 
+# the default launches the cases compare against: one per (op, shape, dtype), shared by that op's options
+_BASES = list(dict.fromkeys((op, m, k, d) for op, _, m, k, d in _CASES))
+
+
 @pytest.fixture(scope="module")
 def interp_results():
-    calls = []
-    for op, i, m, k, d in _CASES:
-        opts = _OPTIONS[op]
-        args = _args(op, m, k, d, "cpu", precast=True)
-        calls += [(*launcher(op), args, {}), (*launcher(op), args, opts[i])]
-    return run_interpreted(calls)
+    """Per case, (the default launch, the launch with the option). Every call gets its own arguments:
+    a pre-cast buffer shared by two calls would hold only the second one's values when compared."""
+    calls = [(*launcher(op), _args(op, m, k, d, "cpu", precast=True), {}) for op, m, k, d in _BASES]
+    calls += [(*launcher(op), _args(op, m, k, d, "cpu", precast=True), _OPTIONS[op][i]) for op, i, m, k, d in _CASES]
+    results = run_interpreted(calls)
+    base = dict(zip(_BASES, results[: len(_BASES)], strict=True))
+    return [(base[op, m, k, d], got) for (op, _, m, k, d), got in zip(_CASES, results[len(_BASES) :], strict=True)]
 
 
 @pytest.mark.parametrize("case", range(len(_CASES)), ids=["-".join(map(str, c)) for c in _CASES])
 def test_interpreter_option_changes_no_byte(interp_results, case):
     op, i, m, k, d = _CASES[case]
-    base, got = interp_results[2 * case], interp_results[2 * case + 1]
+    base, got = interp_results[case]
     ctx = f"{op} {_OPTIONS[op][i]} {m=} {k=} {d}"
     assert base["nonfinite"] is None and got["nonfinite"] is None, ctx
     assert_bitwise("bytes", e4m3_bytes_of(got["args"][-1]), e4m3_bytes_of(base["args"][-1]), ctx)
@@ -177,7 +183,7 @@ _STORELESS = [
 def _storeless_args(fn: str, m: int, k: int, dtype: torch.dtype, device: str, precast: bool) -> tuple:
     x = make_input(m, k, dtype, "wide-range", seed=m + k, device=device)
     other = make_input(m, k, dtype, "randn", seed=k, device=device)
-    pre = (torch.empty(m, k),) if precast else ()
+    pre = (torch.full((m, k), float("nan")),) if precast else ()  # NaN: see `_args`
     if fn == "launch_swiglu_quant":
         return (x, other, "deepgemm", "t.h", *pre)
     w = (1 + 0.1 * make_input(1, k, torch.float32, "randn", seed=1)[0]).to(dtype).to(device)
@@ -201,8 +207,8 @@ def storeless_interp():
     calls = []
     for i, m, k in _STORELESS_CASES:
         module, fn, opt, _ = _STORELESS[i]
-        args = _storeless_args(fn, m, k, torch.float32, "cpu", precast=True)
-        calls += [(module, fn, args, {}), (module, fn, args, {opt: False})]
+        for kwargs in ({}, {opt: False}):  # each call its own pre-cast buffer (see `interp_results`)
+            calls.append((module, fn, _storeless_args(fn, m, k, torch.float32, "cpu", precast=True), kwargs))
     return run_interpreted(calls)
 
 
