@@ -8,11 +8,11 @@ written) arguments and the `check_nonfinite` message, if any. All comparisons st
 
 The interpreter evaluates a ``tl.reduce`` with a user combine function (the kernels' NaN-keeping
 `abs_max`) one element at a time: one Python call of the combine function per element of the tile
-(padding lanes included), about 98% of every interpreted launch here (0.5 s for one 64x128 tile on a
-2-core CI machine). `run_interpreted` swaps in `_fold_reduce`, which performs the very same left fold
-along the reduced axis (element 0, then ``combine(acc, element j)`` for j = 1, 2, ...) with the kernel's
-own combine function, but on all the fold's independent outputs at once: the same operations in the
-same order for each output, so the same bits, and a launch about 10 times faster.
+(padding lanes included), most of every interpreted launch here. `run_interpreted` swaps in
+`_fold_reduce`, which performs the very same left fold along the reduced axis (element 0, then
+``combine(acc, element j)`` for j = 1, 2, ...) with the kernel's own combine function, but on all the
+fold's independent outputs at once: the same operations in the same order for each output, so the same
+bits, in far fewer Python calls (the kernel tests' time is in the CI log's ``--durations`` list).
 `test_interpreter_reduce.py` checks that every kernel's reductions, on hostile input, give the same
 bits under both (``stock_reduce=True`` runs the interpreter's own loop).
 """
