@@ -33,12 +33,13 @@ CUDA `jetrl-unified` with the trainer's, fused with ``--fuse``; BF16 with vLLM's
 ``auto`` existed ran ``vllm`` for both, and each run records the ops it resolved to.
 
 The step is split into rollout / old log-probs (the no-grad pass over the batch, ref included) / update /
-sync (the trainer's ``time/*`` of each step). ``--numerics hf,strict`` times each recipe with the default
-and with the strict numerics (``model.numerics=strict``, runs keyed ``<recipe>-strict``, written to
-``e2e-[...-]strict-<device>.json``) and reports the strict / hf ratio of each phase. ``--profile-rollout``
-adds, per run, the engine alone after the timed steps (`rollout_probe`: a step's generate timed, one of
-``--profile-tokens`` tokens profiled as ``bench_rollout.py --profile`` does; with ``--rollout-executor mp`` by
-vLLM's profiler in its worker);
+sync (the trainer's ``time/*`` of each step), with the trainer process's host time in the rollout
+(``rollout/*``, `meter_rollouts`: CPU seconds, the garbage collector's pauses). ``--numerics hf,strict`` times
+each recipe with the default and with the strict numerics (``model.numerics=strict``, runs keyed
+``<recipe>-strict``, written to ``e2e-[...-]strict-<device>.json``) and reports the strict / hf ratio of each
+phase. ``--profile-rollout`` adds, per run, the engine alone after the timed steps (`rollout_probe`: a step's
+generate timed, one of ``--profile-tokens`` tokens profiled as ``bench_rollout.py --profile`` does; with
+``--rollout-executor mp`` by vLLM's profiler in its worker);
 ``--profile-train`` one more training phase profiled (`train_profile`: wall vs GPU-busy, the top kernels).
 Every response runs to its budget (ignore_eos); ``--min-tokens N`` draws each prompt's budget from [N,
 --max-tokens] (`vary_response_lengths`), so that micro-batches differ in width as in RL, where the training
@@ -66,7 +67,7 @@ import tempfile
 from pathlib import Path
 
 import benchmeta
-from profiling import profile_cuda, profile_worker, worker_profiler_config
+from profiling import host_time, profile_cuda, profile_worker, worker_profiler_config
 from shape_model import SHAPES, reusable_model_dir, shape_config, write_shape_model
 
 RECIPES = ("jetrl-unified", "bf16")
@@ -74,6 +75,8 @@ NUMERICS = ("hf", "strict")
 """The trainer's numerics a run can take (model.numerics); a run of ``strict`` is keyed ``<recipe>-strict``."""
 TIMES = ("time/rollout_s", "time/old_logp_s", "time/update_s", "time/train_s", "time/sync_s")
 """The trainer's per-step phases kept (train = old log-probs + update)."""
+ROLLOUT_HOST = ("rollout/cpu_s", "rollout/thread_cpu_s", "rollout/gc_s", "rollout/gc_full")
+"""The trainer process's host time in each step's rollout phase (`meter_rollouts`)."""
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 """Decode batch sizes vLLM captures CUDA graphs for with --cuda-graphs (a step decodes <= 256 sequences)."""
 
@@ -162,9 +165,11 @@ def run_one(args) -> dict:
         if args.min_tokens is not None:
             vary_response_lengths(tr.engine, args.min_tokens, args.seed)
         quant, engine_start = tr.engine.quantization, tr.engine.start_seconds
+        rollout_host = meter_rollouts(tr)
         rows = []
         for s in range(1, cfg.run.steps + 1):
             rows.append(tr.step(s))
+            rows[-1].update(rollout_host.pop())
             if (m := gpu_memory()) is not None:  # the allocator's retries so far: did this step hit the limit?
                 rows[-1]["memory/alloc_retries"] = m["alloc_retries"]
             times = " ".join(f"{k.removeprefix('time/')}={rows[-1][k]:.3f}" for k in (*TIMES, "time/step_s"))
@@ -176,7 +181,7 @@ def run_one(args) -> dict:
         train_prof = train_profile(tr, cfg.run.steps + 1) if args.profile_train else None
     finally:
         tr.close()
-    keep = (*TIMES, "time/step_s", "sync/bytes", "response/length_mean", "batch/pad_frac")
+    keep = (*TIMES, "time/step_s", *ROLLOUT_HOST, "sync/bytes", "response/length_mean", "batch/pad_frac")
     return {
         "recipe": args.one,
         "numerics": args.numerics,
@@ -191,6 +196,32 @@ def run_one(args) -> dict:
         **({"rollout_probe": probe} if probe is not None else {}),
         **({"train_profile": train_prof} if train_prof is not None else {}),
     }
+
+
+def meter_rollouts(tr) -> list[dict]:
+    """From now on each of `tr`'s rollout phases runs under `profiling.host_time`; returns the list its
+    ``rollout/*`` host figures are appended to, one dict per phase (`ROLLOUT_HOST`): the trainer process's CPU
+    seconds, its calling thread's (the one that runs vLLM's front-end when the engine is in vLLM's processes),
+    the garbage collector's pauses and its full (generation-2) collections. Set beside ``time/rollout_s``
+    they tell whether this process paced the rollout (thread CPU near the phase's wall) or waited on the
+    engine."""
+    rollout, done = tr._rollout, []
+
+    def metered(step: int):
+        with host_time() as h:
+            result = rollout(step)
+        done.append(
+            {
+                "rollout/cpu_s": h["cpu_s"],
+                "rollout/thread_cpu_s": h["thread_cpu_s"],
+                "rollout/gc_s": h["gc_s"],
+                "rollout/gc_full": h["gc_collections"][2],
+            }
+        )
+        return result
+
+    tr._rollout = metered
+    return done
 
 
 def vary_response_lengths(engine, low: int, seed: int) -> None:
@@ -247,10 +278,11 @@ def rollout_probe(tr, profile_tokens: int) -> dict:
     rollout phase less its scoring and filtering), then a profile of one of `profile_tokens` output tokens (wall
     vs GPU-busy ms per decode step, top kernels): `profiling.profile_cuda` in this process, or with the model in
     vLLM's worker (the engine created with `_config`'s ``profiler_config``) `profiling.profile_worker`, which
-    also records the worker's host time. Compared with ``bench_rollout.py --profile`` of the same shape and
-    executor, it tells whether the engine runs slower beside a trainer, and whether the GPU or the host takes
-    the extra time."""
-    import time
+    also records the worker's host time. The timed generate also records this process's `profiling.host_time`
+    (``host``; with ``gc_tracked_objects``, the objects a full garbage collection walks). Compared with
+    ``bench_rollout.py --profile`` of the same shape and executor, it tells whether the engine runs slower beside a
+    trainer, and whether the GPU, the model's process or this one (vLLM's front-end) takes the extra time."""
+    import gc
 
     from jetrl.tasks.arithmetic import Stream
 
@@ -268,9 +300,10 @@ def rollout_probe(tr, profile_tokens: int) -> dict:
             ignore_eos=r.ignore_eos,
         )
 
-    t0 = time.perf_counter()
-    samples = generate(r.max_tokens)
-    generate_s = time.perf_counter() - t0
+    tracked = len(gc.get_objects())
+    with host_time() as host:
+        samples = generate(r.max_tokens)
+    generate_s = host.pop("wall_s")
     tokens = sum(len(s.response_ids) for s in samples)
     profiler = r.engine_kwargs.get("profiler_config")
     if profiler is not None:
@@ -279,7 +312,13 @@ def rollout_probe(tr, profile_tokens: int) -> dict:
         profile = profile_worker(tr.engine, lambda: generate(profile_tokens), profile_tokens, trace_dir)
     else:
         profile = profile_cuda(lambda: generate(profile_tokens), steps=profile_tokens)
-    return {"generate_s": generate_s, "tokens": tokens, "tok_s": tokens / generate_s, "profile": profile}
+    return {
+        "generate_s": generate_s,
+        "tokens": tokens,
+        "tok_s": tokens / generate_s,
+        "host": {**host, "gc_tracked_objects": tracked},
+        "profile": profile,
+    }
 
 
 def _median(rows: list[dict], key: str) -> float:
@@ -503,14 +542,27 @@ def print_table(out: dict) -> None:
                     else ""
                 )
             )
+        if all(k in s for s in run["steps"] for k in ROLLOUT_HOST):
+            rh = {k: _median(run["steps"], k) for k in (*ROLLOUT_HOST, "time/rollout_s")}
+            print(
+                f"{r} rollout host (this process, median): {rh['rollout/thread_cpu_s']:.2f} s CPU in the calling "
+                f"thread, {rh['rollout/cpu_s']:.2f} s in all, of {rh['time/rollout_s']:.2f} s wall; "
+                f"GC {rh['rollout/gc_s']:.2f} s ({rh['rollout/gc_full']:.0f} full)"
+            )
         if (pad := out["median"].get(r, {}).get("batch/pad_frac")) is not None:
             length = out["median"][r]["response/length_mean"]
             print(f"{r} update: {pad:.1%} of the computed token slots are padding (mean response {length:.0f})")
         if (pr := run.get("rollout_probe")) is not None:
             p = pr["profile"]
             host = f", {p['host_busy_ms_per_step']:.2f} host-busy" if "host_busy_ms_per_step" in p else ""
+            front = (
+                f" (this process: {h['thread_cpu_s']:.2f} s CPU in the calling thread, GC {h['gc_s']:.2f} s, "
+                f"{h['gc_tracked_objects']} objects tracked)"
+                if (h := pr.get("host")) is not None
+                else ""
+            )
             print(
-                f"{r} rollout probe: generate {pr['generate_s']:.2f} s ({pr['tok_s']:.0f} tok/s); "
+                f"{r} rollout probe: generate {pr['generate_s']:.2f} s ({pr['tok_s']:.0f} tok/s){front}; "
                 f"{p['wall_ms_per_step']:.2f} ms/step wall, {p['gpu_busy_ms_per_step']:.2f} GPU-busy{host}"
             )
         if (tp := run.get("train_profile")) is not None:

@@ -4,9 +4,11 @@ cProfile (imported by the ``scripts/bench_*.py`` run as scripts: this folder is 
 
 from __future__ import annotations
 
+import gc
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
@@ -15,6 +17,7 @@ __all__ = [
     "profile_cuda",
     "profile_host",
     "profile_worker",
+    "host_time",
     "worker_profiler_config",
     "read_trace",
     "launch_kind",
@@ -252,6 +255,38 @@ def profile_host(fn: Callable[[], object], *, steps: int, top: int = 20) -> dict
             for (file, line, name), (_, calls, tot, cum, _) in rows
         ],
     }
+
+
+@contextmanager
+def host_time() -> Iterator[dict]:
+    """This process's host time over the ``with`` block, in the dict it yields once the block ends: ``wall_s``,
+    ``cpu_s`` (every thread of the process), ``thread_cpu_s`` (the thread that runs the block: with a vLLM
+    engine in other processes, the front-end's output handling of a generate), ``gc_s`` (the garbage collector's
+    pauses, in any thread) and ``gc_collections`` (per generation 0, 1, 2). A block whose thread CPU is near its
+    wall kept this process's thread busy throughout (it paced the block); one far below it mostly waited."""
+    out: dict = {}
+    pause = {"s": 0.0, "t0": 0.0, "n": [0, 0, 0]}
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            pause["t0"] = time.perf_counter()
+        else:
+            pause["s"] += time.perf_counter() - pause["t0"]
+            pause["n"][info["generation"]] += 1
+
+    gc.callbacks.append(on_gc)
+    wall, cpu, thread = time.perf_counter(), time.process_time(), time.thread_time()
+    try:
+        yield out
+    finally:
+        out.update(
+            wall_s=time.perf_counter() - wall,
+            cpu_s=time.process_time() - cpu,
+            thread_cpu_s=time.thread_time() - thread,
+            gc_s=pause["s"],
+            gc_collections=pause["n"],
+        )
+        gc.callbacks.remove(on_gc)
 
 
 def worker_profiler_config(trace_dir: Path, python: bool = False) -> dict:

@@ -236,7 +236,11 @@ def test_a_run_records_its_set_up_split(bench, monkeypatch, tmp_path):
             self.setup_s, self.graph_capture_s = 30.0, 7.5
             self.conversion = type("C", (), {"converted_names": lambda self: ["a", "b"]})()
 
+        def _rollout(self, s):
+            return [[i] for i in range(100_000)]  # a step's samples: objects the GC tracks, so collections run
+
         def step(self, s):
+            self._rollout(s)
             return {**row, "time/step_s": float(s)}
 
         def close(self):
@@ -249,6 +253,9 @@ def test_a_run_records_its_set_up_split(bench, monkeypatch, tmp_path):
     assert (out["setup_s"], out["engine_start_s"], out["graph_capture_s"]) == (30.0, 12.5, 7.5)
     assert out["engine_quantization"] == "jetrl_fp8" and out["converted_linears"] == 2
     assert [r["time/step_s"] for r in out["steps"]] == [1.0, 2.0, 3.0]  # the warm-up step too
+    for r in out["steps"]:  # each step's rollout phase metered in this process: its CPU, the GC's pauses
+        assert set(bench.ROLLOUT_HOST) <= set(r) and r["rollout/cpu_s"] > 0 and r["rollout/thread_cpu_s"] > 0
+        assert r["rollout/gc_s"] > 0 and r["rollout/gc_full"] >= 0
     assert out["gpu_memory"] is None  # no CUDA here
     assert "rollout_probe" not in out and "train_profile" not in out  # only with --profile-rollout / -train
 
@@ -282,6 +289,8 @@ def test_rollout_probe_times_a_steps_shape_then_profiles_a_short_one(bench, monk
     assert all(c["ignore_eos"] and c["temperature"] == 1.0 for c in calls)
     assert probe["tokens"] == 4 * 3 * 40 and probe["tok_s"] == probe["tokens"] / probe["generate_s"]
     assert probe["profile"] == {"steps": 16}
+    host = probe["host"]  # this process during the timed generate (vLLM's front-end with the engine elsewhere)
+    assert "wall_s" not in host and host["thread_cpu_s"] >= 0 and host["gc_tracked_objects"] > 1000
 
 
 def test_rollout_probe_of_a_worker_uses_vllms_profiler(bench, monkeypatch, tmp_path):

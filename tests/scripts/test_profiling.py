@@ -87,3 +87,25 @@ def test_self_time_is_an_events_span_less_its_nested_events():
     assert prof._self_us(spans) == {"a": [1, 70.0], "b": [2, 25.0], "c": [1, 5.0], "d": [1, 10.0]}
     s = prof.profile_summary([("g", 1, 1.0)], wall_s=0.001, steps=2, host_self=[("a", 2, 70.0), ("b", 4, 25.0)], top=1)
     assert s["top_host_self"] == [{"name": "a", "calls_per_step": 1.0, "self_us_per_step": 35.0}]
+
+
+def test_host_time_counts_the_blocks_cpu_and_the_collectors_pauses():
+    """host_time: the calling thread's CPU apart from the process's, and every collection's pause while the block
+    ran; busy work shows CPU near the wall, a sleep none, and its callback leaves with the block."""
+    import gc
+    import time
+
+    prof = load_script("profiling")
+    callbacks = len(gc.callbacks)
+    with prof.host_time() as busy:
+        t = time.perf_counter()
+        while time.perf_counter() - t < 0.2:
+            pass
+        gc.collect()
+    assert busy["thread_cpu_s"] > 0.5 * busy["wall_s"] and busy["cpu_s"] > busy["thread_cpu_s"] - 1e-3
+    assert busy["gc_collections"][2] >= 1 and busy["gc_s"] > 0
+    with prof.host_time() as idle:
+        time.sleep(0.2)
+    assert idle["wall_s"] >= 0.2 and idle["thread_cpu_s"] < 0.5 * idle["wall_s"]
+    assert idle["gc_collections"] == [0, 0, 0] and idle["gc_s"] == 0.0
+    assert len(gc.callbacks) == callbacks
