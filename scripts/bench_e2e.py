@@ -279,7 +279,9 @@ def rollout_probe(tr, profile_tokens: int) -> dict:
     vs GPU-busy ms per decode step, top kernels): `profiling.profile_cuda` in this process, or with the model in
     vLLM's worker (the engine created with `_config`'s ``profiler_config``) `profiling.profile_worker`, which
     also records the worker's host time. The timed generate also records this process's `profiling.host_time`
-    (``host``; with ``gc_tracked_objects``, the objects a full garbage collection walks). Compared with
+    (``host``; with ``gc_tracked_objects``, the objects a full garbage collection walks), and is timed again with
+    its sequences as distinct prompts of one sample each (``one_sample_each``: vLLM's fan-out of ``n`` samples
+    per request, or bench_rollout's form of the batch, set apart). Compared with
     ``bench_rollout.py --profile`` of the same shape and executor, it tells whether the engine runs slower beside a
     trainer, and whether the GPU, the model's process or this one (vLLM's front-end) takes the extra time."""
     import gc
@@ -287,12 +289,13 @@ def rollout_probe(tr, profile_tokens: int) -> dict:
     from jetrl.tasks.arithmetic import Stream
 
     r = tr.cfg.rollout
-    prompts = [tr.tokens.encode_problem(p) for p in tr.task.problems(Stream.RL, 0, r.prompts_per_step)]
+    sequences = r.prompts_per_step * r.samples_per_prompt
 
-    def generate(max_tokens: int):
+    def generate(max_tokens: int, n: int = r.samples_per_prompt):
+        problems = tr.task.problems(Stream.RL, 0, sequences // n)
         return tr.engine.generate(
-            prompts,
-            n=r.samples_per_prompt,
+            [tr.tokens.encode_problem(p) for p in problems],
+            n=n,
             temperature=r.temperature,
             top_p=r.top_p,
             max_tokens=max_tokens,
@@ -305,6 +308,8 @@ def rollout_probe(tr, profile_tokens: int) -> dict:
         samples = generate(r.max_tokens)
     generate_s = host.pop("wall_s")
     tokens = sum(len(s.response_ids) for s in samples)
+    with host_time() as flat:  # the same sequences as distinct prompts, one sample each (bench_rollout's form)
+        generate(r.max_tokens, n=1)
     profiler = r.engine_kwargs.get("profiler_config")
     if profiler is not None:
         trace_dir = Path(profiler["torch_profiler_dir"])
@@ -317,6 +322,7 @@ def rollout_probe(tr, profile_tokens: int) -> dict:
         "tokens": tokens,
         "tok_s": tokens / generate_s,
         "host": {**host, "gc_tracked_objects": tracked},
+        "one_sample_each": {"generate_s": flat.pop("wall_s"), "host": flat},
         "profile": profile,
     }
 
@@ -562,7 +568,9 @@ def print_table(out: dict) -> None:
                 else ""
             )
             print(
-                f"{r} rollout probe: generate {pr['generate_s']:.2f} s ({pr['tok_s']:.0f} tok/s){front}; "
+                f"{r} rollout probe: generate {pr['generate_s']:.2f} s ({pr['tok_s']:.0f} tok/s){front}"
+                + (f", {one['generate_s']:.2f} s as one sample each" if (one := pr.get("one_sample_each")) else "")
+                + "; "
                 f"{p['wall_ms_per_step']:.2f} ms/step wall, {p['gpu_busy_ms_per_step']:.2f} GPU-busy{host}"
             )
         if (tp := run.get("train_profile")) is not None:

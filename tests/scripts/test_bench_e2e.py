@@ -285,12 +285,15 @@ def test_rollout_probe_times_a_steps_shape_then_profiles_a_short_one(bench, monk
     )
     monkeypatch.setattr(bench, "profile_cuda", lambda fn, steps: (fn(), {"steps": steps})[1])
     probe = bench.rollout_probe(tr, 16)
-    assert [(c["prompts"], c["n"], c["max_tokens"]) for c in calls] == [(4, 3, 40), (4, 3, 16)]
+    # the step's shape, then its 12 sequences as 12 prompts of one sample each, then the profiled one
+    assert [(c["prompts"], c["n"], c["max_tokens"]) for c in calls] == [(4, 3, 40), (12, 1, 40), (4, 3, 16)]
     assert all(c["ignore_eos"] and c["temperature"] == 1.0 for c in calls)
     assert probe["tokens"] == 4 * 3 * 40 and probe["tok_s"] == probe["tokens"] / probe["generate_s"]
     assert probe["profile"] == {"steps": 16}
     host = probe["host"]  # this process during the timed generate (vLLM's front-end with the engine elsewhere)
     assert "wall_s" not in host and host["thread_cpu_s"] >= 0 and host["gc_tracked_objects"] > 1000
+    one = probe["one_sample_each"]
+    assert one["generate_s"] > 0 and set(one["host"]) == {"cpu_s", "thread_cpu_s", "gc_s", "gc_collections"}
 
 
 def test_rollout_probe_of_a_worker_uses_vllms_profiler(bench, monkeypatch, tmp_path):
@@ -331,7 +334,7 @@ def test_rollout_probe_of_a_worker_uses_vllms_profiler(bench, monkeypatch, tmp_p
     monkeypatch.setattr(bench, "profile_worker", profile_worker)
     monkeypatch.setattr(bench, "profile_cuda", lambda fn, steps: pytest.fail("profiled this process"))
     probe = bench.rollout_probe(tr, 16)
-    assert calls == [40, 16] and seen == [(tr.engine, 16, tmp_path / "run" / "traces", True)]
+    assert calls == [40, 40, 16] and seen == [(tr.engine, 16, tmp_path / "run" / "traces", True)]
     assert probe["profile"] == {"steps": 16, "profiled_in": "worker"}
     without = bench._config(bench.parse_args(["--rollout-executor", "mp"]), "bf16", "/m", "/r")
     assert "profiler_config" not in without["rollout"]["engine_kwargs"]  # no profiler unless asked
