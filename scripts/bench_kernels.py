@@ -402,6 +402,7 @@ def main() -> None:
     ap.add_argument("--sweep-only", action="store_true", help="run the sweep alone; the table in the JSON is kept")
     ap.add_argument("--sweep-note", default="", help="what this sweep run tried, stored beside its rows")
     ap.add_argument("--no-eager", action="store_true", help="skip the eager torch references")
+    ap.add_argument("--commit", help="the checkout's commit, recorded (the device machine has no git)")
     args = ap.parse_args()
     sweep_kernels = sweep_names(args.sweep) if args.sweep else []
     if args.sweep_only and not sweep_kernels:
@@ -435,6 +436,7 @@ def main() -> None:
                 "GB/s = (bytes read + written) / time; goals judged against the copy timed the same way"
             ),
             rows=rows,
+            meta=benchmeta.meta(args.commit),
         )
     if sweep:
         runs = result.setdefault("sweep_runs", {})
