@@ -49,7 +49,7 @@ def run(args: argparse.Namespace, model: str) -> dict:
         **({"kv_cache_memory_bytes": 1 << 30} if cpu else {"gpu_memory_utilization": 0.3}),
     )
     prompts = [{"prompt_token_ids": [1 + i % 20, 2, 3, 4]} for i in range(args.prompts)]
-    # the requests as `Engine.generate` makes them (its per-token log-probs are most of the front-end's objects)
+    # the requests as `Engine.generate` makes them (with the sampled tokens' log-probs, which the front-end collects)
     params = [
         SamplingParams(
             n=args.samples,
@@ -67,14 +67,17 @@ def run(args: argparse.Namespace, model: str) -> dict:
     gc.collect()
     tracked = len(gc.get_objects())
     rows = []
-    for rep in range(args.repeats):
-        for mode in MODES if rep % 2 == 0 else MODES[::-1]:
-            around = collector_paused() if mode == "paused" else contextlib.nullcontext()
-            with host_time() as host, around:
-                outs = engine.llm.generate(prompts, params, use_tqdm=False)
-            tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-            rows.append({"mode": mode, "rep": rep, "tokens": tokens, **host, "unreachable_after": gc.collect()})
-            print(json.dumps(rows[-1]), flush=True)
+    try:
+        for rep in range(args.repeats):
+            for mode in MODES if rep % 2 == 0 else MODES[::-1]:
+                around = collector_paused() if mode == "paused" else contextlib.nullcontext()
+                with host_time() as host, around:
+                    outs = engine.llm.generate(prompts, params, use_tqdm=False)
+                tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+                rows.append({"mode": mode, "rep": rep, "tokens": tokens, **host, "unreachable_after": gc.collect()})
+                print(json.dumps(rows[-1]), flush=True)
+    finally:
+        engine.close()
     del ballast
     return {"tracked_objects": tracked, "rows": rows}
 

@@ -562,7 +562,8 @@ class Engine:
     ) -> list[Sample]:
         """Sample `n` completions per prompt; returns them prompt-major (prompt 0's n samples first).
         Prompt i is sampled with seed ``seed + i`` (None: unseeded) and a response budget of `max_tokens`, or
-        of ``max_tokens[i]`` when it is a sequence (one per prompt)."""
+        of ``max_tokens[i]`` when it is a sequence (one per prompt). vLLM's generate runs with this process's cyclic
+        garbage collector paused (`collector_paused`)."""
         from vllm import SamplingParams
 
         if self._asleep:
