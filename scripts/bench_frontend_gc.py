@@ -1,13 +1,13 @@
 """Python's garbage collector in vLLM's front-end, beside a trainer-sized heap.
 
 vLLM's offline front-end (``vllm.LLM``) runs in the process that calls it: in an RL trainer, the process that holds
-the model, the optimizer, torch, transformers and vLLM (~800k GC-tracked objects in ``bench_e2e.py``'s 8B-class
-runs). Its per-step output handling sets off full collections, each of which walks every tracked object. This
-times one engine's generate twice per mode, alternating, with the same requests: ``collector-on`` (vLLM's generate
-as a caller gets it) and ``paused`` (`jetrl.rollout.adapter.collector_paused`, what `Engine.generate` runs it in),
-beside ``--ballast`` extra tracked objects standing in for a trainer's heap. Per generate: wall, this process's
-CPU, GC pauses and collections per generation (`profiling.host_time`), and the unreachable objects a collection
-right after finds (the cyclic garbage a paused generate leaves for later).
+the model, the optimizer, torch, transformers and vLLM (~800k GC-tracked objects in ``bench_e2e.py``'s 8B-shape
+probe). Its per-step output handling sets off full collections, each of which walks every tracked object. This
+times one engine's generate twice per mode, alternating, with the same requests (`Engine.requests`):
+``collector-on`` (vLLM's generate as a caller gets it) and ``paused`` (`jetrl.rollout.adapter.collector_paused`,
+what `Engine.generate` runs it in), beside ``--ballast`` extra tracked objects standing in for a trainer's heap.
+Per generate: wall, this process's CPU, GC pauses and collections per generation (`profiling.host_time`), and the
+unreachable objects a collection right after finds (the cyclic garbage a paused generate leaves for later).
 
     python scripts/bench_frontend_gc.py [--model DIR] [--prompts 32 --samples 8 --max-tokens 390]
                                         [--ballast 400000] [--executor mp|uni] [--out scripts/results]
@@ -34,8 +34,6 @@ MODES = ("collector-on", "paused")
 
 
 def run(args: argparse.Namespace, model: str) -> dict:
-    from vllm import SamplingParams
-
     from jetrl.rollout.adapter import collector_paused, create_engine
 
     cpu = benchmeta.device_name().startswith("CPU ")
@@ -48,20 +46,15 @@ def run(args: argparse.Namespace, model: str) -> dict:
         distributed_executor_backend=args.executor,
         **({"kv_cache_memory_bytes": 1 << 30} if cpu else {"gpu_memory_utilization": 0.3}),
     )
-    prompts = [{"prompt_token_ids": [1 + i % 20, 2, 3, 4]} for i in range(args.prompts)]
-    # the requests as `Engine.generate` makes them (with the sampled tokens' log-probs, which the front-end collects)
-    params = [
-        SamplingParams(
-            n=args.samples,
-            max_tokens=args.max_tokens,
-            seed=i,
-            logprobs=0,
-            flat_logprobs=True,
-            ignore_eos=True,
-            detokenize=False,
-        )
-        for i in range(args.prompts)
-    ]
+    prompts, params = engine.requests(  # what `Engine.generate` hands vLLM
+        [[1 + i % 20, 2, 3, 4] for i in range(args.prompts)],
+        n=args.samples,
+        temperature=1.0,
+        top_p=1.0,
+        max_tokens=args.max_tokens,
+        seed=0,
+        ignore_eos=True,
+    )
     # a trainer's heap of long-lived tracked objects (modules, parameters, tensors' Python objects, imports)
     ballast = [{"i": i, "l": [i]} for i in range(args.ballast // 2)]
     gc.collect()

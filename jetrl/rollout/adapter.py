@@ -561,13 +561,47 @@ class Engine:
         ignore_eos: bool = False,
     ) -> list[Sample]:
         """Sample `n` completions per prompt; returns them prompt-major (prompt 0's n samples first).
-        Prompt i is sampled with seed ``seed + i`` (None: unseeded) and a response budget of `max_tokens`, or
-        of ``max_tokens[i]`` when it is a sequence (one per prompt). vLLM's generate runs with this process's cyclic
-        garbage collector paused (`collector_paused`)."""
-        from vllm import SamplingParams
-
+        `requests` makes what vLLM is handed (per-prompt seeds and budgets); vLLM's generate runs with this process's
+        cyclic garbage collector paused (`collector_paused`)."""
         if self._asleep:
             raise RuntimeError("Engine.generate: the engine is asleep; call wake() first")
+        prompts, params = self.requests(
+            prompt_token_ids,
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            seed=seed,
+            ignore_eos=ignore_eos,
+        )
+        with collector_paused():
+            outs = self.llm.generate(prompts, params, use_tqdm=False)
+        self.check_nonfinite()
+        samples = []
+        for prompt, out in zip(prompt_token_ids, outs, strict=True):
+            for comp in out.outputs:
+                ids = list(comp.token_ids)
+                samples.append(
+                    Sample(list(map(int, prompt)), ids, _sampled_logprobs(comp.logprobs, ids), comp.finish_reason)
+                )
+        return samples
+
+    @staticmethod
+    def requests(
+        prompt_token_ids: list[list[int]],
+        *,
+        n: int,
+        temperature: float,
+        top_p: float,
+        max_tokens: int | Sequence[int],
+        seed: int | None,
+        ignore_eos: bool,
+    ) -> tuple[list[dict], list]:
+        """The prompts and ``vllm.SamplingParams`` `generate` hands ``vllm.LLM.generate``: prompt i sampled with seed
+        ``seed + i`` (None: unseeded) and a response budget of `max_tokens`, or of ``max_tokens[i]`` when it is a
+        sequence (one per prompt), with the sampled tokens' log-probs and no detokenization."""
+        from vllm import SamplingParams
+
         budgets = [max_tokens] * len(prompt_token_ids) if isinstance(max_tokens, int) else list(max_tokens)
         if len(budgets) != len(prompt_token_ids):
             raise ValueError(f"Engine.generate: {len(budgets)} max_tokens for {len(prompt_token_ids)} prompts")
@@ -590,18 +624,7 @@ class Engine:
             )
             for i in range(len(prompt_token_ids))
         ]
-        prompts = [{"prompt_token_ids": list(map(int, p))} for p in prompt_token_ids]
-        with collector_paused():
-            outs = self.llm.generate(prompts, params, use_tqdm=False)
-        self.check_nonfinite()
-        samples = []
-        for prompt, out in zip(prompt_token_ids, outs, strict=True):
-            for comp in out.outputs:
-                ids = list(comp.token_ids)
-                samples.append(
-                    Sample(list(map(int, prompt)), ids, _sampled_logprobs(comp.logprobs, ids), comp.finish_reason)
-                )
-        return samples
+        return [{"prompt_token_ids": list(map(int, p))} for p in prompt_token_ids], params
 
     def check_nonfinite(self) -> None:
         """Raise `jetrl.quant.NonFiniteError` naming each rollout Linear whose input held NaN/Inf since the
