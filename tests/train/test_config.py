@@ -108,12 +108,17 @@ def test_one_engine_on_one_device_its_executor_from_rollout_executor():
     kept = {"tensor_parallel_size": 1, "enforce_eager": False}
     assert config_from_dict({"rollout": {"engine_kwargs": kept}}).rollout.engine_kwargs == kept
     assert config_from_dict({"rollout": {"executor": "mp"}, "model": {"numerics": "hf"}}).rollout.executor == "mp"
-    assert config_from_dict({}).rollout.executor == "uni"
+    assert config_from_dict({}).rollout.executor == "uni"  # 'auto' on a CPU
+    cuda = {"run": {"device": "cuda"}}
+    assert config_from_dict(cuda).rollout.executor == "mp"  # 'auto' on CUDA with numerics 'hf'
+    assert config_from_dict({**cuda, "rollout": {"executor": "uni"}}).rollout.executor == "uni"
+    strict_auto = {**cuda, "model": {"numerics": "strict"}, "rollout": {"engine_ops": "hf"}}
+    assert config_from_dict(strict_auto).rollout.executor == "uni"
     with pytest.raises(ConfigError, match=r"executor is the key rollout\.executor"):
         config_from_dict({"rollout": {"engine_kwargs": {"distributed_executor_backend": "uni"}}})
     with pytest.raises(ConfigError, match=r"tensor_parallel_size: 2: .*python -m jetrl\.verl"):
         config_from_dict({"rollout": {"engine_kwargs": {"tensor_parallel_size": 2}}})
-    with pytest.raises(ConfigError, match=r"rollout\.executor: 'ray': choose 'uni' or 'mp'"):
+    with pytest.raises(ConfigError, match=r"rollout\.executor: 'ray': choose 'auto', 'uni' or 'mp'"):
         config_from_dict({"rollout": {"executor": "ray"}})
     with pytest.raises(ConfigError, match=r"rollout\.executor: 'mp' .*model\.numerics='vllm-cpu'.*\(use 'uni'\)"):
         config_from_dict({"rollout": {"executor": "mp"}, "model": {"numerics": "vllm-cpu"}})

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from jetrl.testing.subprocess_guard import HANG_GUARD_S
@@ -365,3 +366,26 @@ def test_rollout_executor_mp(out_dir):
             tr.close()
         assert json.loads((out_dir / f"exec-{executor}" / "lint.json").read_text())["ok"] is True
     assert samples["mp"] == samples["uni"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (rollout.executor auto picks 'mp' there)")
+def test_cuda_default_runs_the_engine_in_vllms_processes(out_dir):
+    """On CUDA with numerics 'hf' rollout.executor 'auto' is 'mp': a one-step run of the defaults starts vLLM's
+    engine core and worker, passes the lint recorded in that worker and syncs byte-verified CUDA IPC parcels."""
+    from jetrl.demo import DEFAULT_CONFIG
+    from jetrl.train.config import apply_overrides, config_from_dict
+    from jetrl.train.trainer import Trainer
+
+    overrides = [*SHORT, f"run.out_dir={out_dir}", "run.name=cuda-auto", "run.steps=1", "run.device=cuda"]
+    cfg = config_from_dict(apply_overrides(DEFAULT_CONFIG, [*overrides, "model.numerics=hf"]))
+    assert cfg.rollout.executor == "mp"
+    tr = Trainer(cfg, overwrite=True, log=lambda *a: None)
+    try:
+        tr.setup()
+        assert not tr.engine.in_process
+        row = tr.step(1)
+    finally:
+        tr.close()
+    assert row["sync/digests_equal"] is True and row["sync/bytes"] > 0
+    assert math.isfinite(row["mismatch/logp_abs_diff_mean"])
+    assert json.loads((out_dir / "cuda-auto" / "lint.json").read_text())["ok"] is True
