@@ -34,7 +34,10 @@ CUDA `jetrl-unified` with the trainer's, fused with ``--fuse``; BF16 with vLLM's
 
 The step is split into rollout / old log-probs (the no-grad pass over the batch, ref included) / update /
 sync (the trainer's ``time/*`` of each step), with the trainer process's host time in the rollout
-(``rollout/*``, `meter_rollouts`: CPU seconds, the garbage collector's pauses). ``--numerics hf,strict`` times
+(``rollout/*``, `meter_rollouts`: CPU seconds, the garbage collector's pauses) and vLLM's engine core's, measured
+in whichever process runs it (``rollout/core_*`` per engine step: wall, its loop thread's CPU, its process's CPU,
+the scheduler's ``schedule`` and ``update_from_output``; `jetrl.rollout.engine_timing`, its lines in
+``<out>/e2e-logs/engine-core-<run>/``). ``--numerics hf,strict`` times
 each recipe with the default and with the strict numerics (``model.numerics=strict``, runs keyed
 ``<recipe>-strict``, written to ``e2e-[...-]strict-<device>.json``) and reports the strict / hf ratio of each
 phase. ``--profile-rollout`` adds, per run, the engine alone after the timed steps (`rollout_probe`: a step's
@@ -64,6 +67,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import benchmeta
@@ -76,6 +80,15 @@ NUMERICS = ("hf", "strict")
 TIMES = ("time/rollout_s", "time/old_logp_s", "time/update_s", "time/train_s", "time/sync_s")
 """The trainer's per-step phases kept (train = old log-probs + update)."""
 ROLLOUT_HOST = ("rollout/cpu_s", "rollout/thread_cpu_s", "rollout/gc_s", "rollout/gc_full")
+# vLLM's engine core in the rollout phase, per step it scheduled (`jetrl.rollout.engine_timing`)
+ROLLOUT_CORE = (
+    "rollout/core_steps",
+    "rollout/core_wall_ms",
+    "rollout/core_thread_cpu_ms",
+    "rollout/core_process_cpu_ms",
+    "rollout/core_schedule_ms",
+    "rollout/core_update_ms",
+)
 """The trainer process's host time in each step's rollout phase (`meter_rollouts`)."""
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 """Decode batch sizes vLLM captures CUDA graphs for with --cuda-graphs (a step decodes <= 256 sequences)."""
@@ -181,7 +194,7 @@ def run_one(args) -> dict:
         train_prof = train_profile(tr, cfg.run.steps + 1) if args.profile_train else None
     finally:
         tr.close()
-    keep = (*TIMES, "time/step_s", *ROLLOUT_HOST, "sync/bytes", "response/length_mean", "batch/pad_frac")
+    keep = (*TIMES, "time/step_s", *ROLLOUT_HOST, *ROLLOUT_CORE, "sync/bytes", "response/length_mean", "batch/pad_frac")
     return {
         "recipe": args.one,
         "numerics": args.numerics,
@@ -198,16 +211,35 @@ def run_one(args) -> dict:
     }
 
 
+def engine_core_timing(start: float, end: float) -> dict:
+    """`ROLLOUT_CORE` for the engine-core steps between `start` and `end` (``time.time()``), from the folder
+    ``JETRL_ENGINE_CORE_TIMING`` names (set for each run by `main`); {} where it is unset."""
+    from jetrl.rollout import engine_timing
+
+    folder = os.environ.get(engine_timing.ENV)
+    if not folder:
+        return {}
+    got = engine_timing.summarize(folder, start, end)
+    per = got["per_step_ms"]
+    return {
+        "rollout/core_steps": got["steps"],
+        **{f"rollout/core_{k}_ms": per[k] for k in ("wall", "thread_cpu", "process_cpu", "schedule", "update")},
+    }
+
+
 def meter_rollouts(tr) -> list[dict]:
     """From now on each of `tr`'s rollout phases runs under `profiling.host_time`; returns the list its
     ``rollout/*`` host figures are appended to, one dict per phase (`ROLLOUT_HOST`): the trainer process's CPU
     seconds, its calling thread's (the one that runs vLLM's front-end when the engine is in vLLM's processes),
     the garbage collector's pauses and its full (generation-2) collections. Set beside ``time/rollout_s``
     they tell whether this process paced the rollout (thread CPU near the phase's wall) or waited on the
-    engine."""
+    engine. Where vLLM's engine core recorded its steps (`engine_core_timing`), also its figures per step
+    (`ROLLOUT_CORE`): wall, its loop thread's CPU (the host work that paces a host-bound step), its process's
+    CPU, the time in the scheduler's ``schedule`` and ``update_from_output``."""
     rollout, done = tr._rollout, []
 
     def metered(step: int):
+        start = time.time()
         with host_time() as h:
             result = rollout(step)
         done.append(
@@ -216,6 +248,7 @@ def meter_rollouts(tr) -> list[dict]:
                 "rollout/thread_cpu_s": h["thread_cpu_s"],
                 "rollout/gc_s": h["gc_s"],
                 "rollout/gc_full": h["gc_collections"][2],
+                **engine_core_timing(start, time.time()),
             }
         )
         return result
@@ -304,8 +337,10 @@ def rollout_probe(tr, profile_tokens: int) -> dict:
         )
 
     tracked = len(gc.get_objects())
+    start = time.time()
     with host_time() as host:
         samples = generate(r.max_tokens)
+    core = engine_core_timing(start, time.time())
     generate_s = host.pop("wall_s")
     tokens = sum(len(s.response_ids) for s in samples)
     with host_time() as flat:  # the same sequences as distinct prompts, one sample each (bench_rollout's form)
@@ -322,6 +357,7 @@ def rollout_probe(tr, profile_tokens: int) -> dict:
         "tokens": tokens,
         "tok_s": tokens / generate_s,
         "host": {**host, "gc_tracked_objects": tracked},
+        **({"engine_core": core} if core else {}),
         "one_sample_each": {"generate_s": flat.pop("wall_s"), "host": flat},
         "profile": profile,
     }
@@ -555,6 +591,13 @@ def print_table(out: dict) -> None:
                 f"thread, {rh['rollout/cpu_s']:.2f} s in all, of {rh['time/rollout_s']:.2f} s wall; "
                 f"GC {rh['rollout/gc_s']:.2f} s ({rh['rollout/gc_full']:.0f} full)"
             )
+        if all(k in s for s in run["steps"] for k in ROLLOUT_CORE):
+            rc = {k.removeprefix("rollout/core_"): _median(run["steps"], k) for k in ROLLOUT_CORE}
+            print(
+                f"{r} rollout engine core (median, per step of {rc['steps']:.0f}): {rc['wall_ms']:.2f} ms wall, "
+                f"{rc['thread_cpu_ms']:.2f} ms CPU in its loop's thread (schedule {rc['schedule_ms']:.2f}, "
+                f"update_from_output {rc['update_ms']:.2f}), {rc['process_cpu_ms']:.2f} ms in its process"
+            )
         if (pad := out["median"].get(r, {}).get("batch/pad_frac")) is not None:
             length = out["median"][r]["response/length_mean"]
             print(f"{r} update: {pad:.1%} of the computed token slots are padding (mean response {length:.0f})")
@@ -572,6 +615,12 @@ def print_table(out: dict) -> None:
                 + (f", {one['generate_s']:.2f} s as one sample each" if (one := pr.get("one_sample_each")) else "")
                 + "; "
                 f"{p['wall_ms_per_step']:.2f} ms/step wall, {p['gpu_busy_ms_per_step']:.2f} GPU-busy{host}"
+                + (
+                    f"; engine core {c['rollout/core_wall_ms']:.2f} ms/step wall, "
+                    f"{c['rollout/core_thread_cpu_ms']:.2f} CPU in its loop"
+                    if (c := pr.get("engine_core"))
+                    else ""
+                )
             )
         if (tp := run.get("train_profile")) is not None:
             head = ", ".join(f"{k['name'][:40]} {k['share']:.0%}" for k in tp["top_kernels"][:4])
@@ -696,7 +745,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"--result={res}",
             ]
             cmd += [*(argv if argv is not None else sys.argv[1:]), f"--numerics={numerics}"]  # the last one counts
-            env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+            env = {
+                **os.environ,
+                "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                # vLLM's engine core records its steps wherever it runs (`jetrl.rollout.engine_timing`)
+                "JETRL_ENGINE_CORE_TIMING": str(logdir / f"engine-core-{key}"),
+            }
             print(f"== {key}: log in {log}", file=sys.stderr, flush=True)
             with log.open("w") as f:
                 proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)

@@ -417,11 +417,17 @@ def _request_amx_permission() -> None:
 
 def register() -> None:
     """Register ``jetrl_fp8``, ``jetrl_fp8_naive``, ``jetrl_bf16`` and the trainer-matched model classes
-    (`jetrl.rollout.vllm_model.register_models`) with vLLM (idempotent; vLLM calls it per process)."""
+    (`jetrl.rollout.vllm_model.register_models`) with vLLM, and time the engine core's steps where
+    ``JETRL_ENGINE_CORE_TIMING`` asks for it (`jetrl.rollout.engine_timing`) (idempotent; vLLM calls it per
+    process)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from jetrl.rollout import engine_timing
     from jetrl.rollout.vllm_model import register_models
 
     _request_amx_permission()
     register_models()
+    engine_timing.install(Scheduler)  # only with JETRL_ENGINE_CORE_TIMING set
     set_live_rows_provider(_step_slots)
     for cls in (JetFP8LinearMethod, JetFP8NaiveLinearMethod, JetBF16LinearMethod):
         if cls.__name__ not in WEIGHT_LOADER_V2_SUPPORTED:

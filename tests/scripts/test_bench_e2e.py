@@ -363,3 +363,33 @@ def test_profiling_needs_a_gpu_run(bench, capsys):
         with pytest.raises(SystemExit):
             bench.parse_args(argv)
         assert msg in capsys.readouterr().err
+
+
+def test_rollouts_carry_the_engine_cores_steps_where_it_records_them(bench, monkeypatch, tmp_path):
+    """With JETRL_ENGINE_CORE_TIMING set (main sets it for each run) each rollout phase's row carries the engine
+    core's steps inside that phase, per step (`jetrl.rollout.engine_timing`); unset, the row has none."""
+    import time
+    from types import SimpleNamespace
+
+    from jetrl.rollout.engine_timing import ENV, FIELDS
+
+    folder = tmp_path / "core"
+    folder.mkdir()
+
+    def rollout(step):
+        time.sleep(0.02)
+        with (folder / "engine-core-77.jsonl").open("a") as f:
+            for tokens, ms in ((0, 3.0), (256, 4.0), (256, 6.0)):  # an idle turn, then two steps of 256 tokens
+                row = {"t": time.time() - 0.01, **dict.fromkeys(FIELDS, ms), "tokens": tokens, "requests": 1}
+                f.write(json.dumps({**row, "wall_ms": 5.0}) + "\n")
+        return step
+
+    monkeypatch.delenv(ENV, raising=False)
+    tr = SimpleNamespace(_rollout=rollout)
+    done = bench.meter_rollouts(tr)
+    assert tr._rollout(1) == 1 and not set(bench.ROLLOUT_CORE) & set(done[-1])
+    monkeypatch.setenv(ENV, str(folder))
+    assert tr._rollout(2) == 2
+    row = done[-1]
+    assert row["rollout/core_steps"] == 2 and row["rollout/core_wall_ms"] == 15.0 / 2  # three turns, two steps
+    assert row["rollout/core_thread_cpu_ms"] == row["rollout/core_update_ms"] == (3.0 + 4.0 + 6.0) / 2

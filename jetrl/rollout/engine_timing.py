@@ -1,0 +1,128 @@
+"""Per-step host time of vLLM's engine core, recorded in the process that runs it.
+
+vLLM's engine core (the scheduler's loop) runs in the caller's process with the in-process engine and in a
+process of its own otherwise (``VLLM_ENABLE_V1_MULTIPROCESSING=1``, `jetrl train`'s ``rollout.executor: mp``,
+verl's rollout servers); no profiler of the caller's or the worker's process sees it. With
+``JETRL_ENGINE_CORE_TIMING=DIR`` in the environment of the process that starts an engine, jetrl's vLLM plugin
+(`jetrl.rollout.vllm_plugin.register`, which vLLM loads in every process it starts) calls `install`, which wraps
+vLLM's ``Scheduler.schedule`` and ``Scheduler.update_from_output`` in that process. Each turn of the engine
+core's loop -- from one ``schedule`` call to the next -- then appends one JSON line to
+``DIR/engine-core-<pid>.jsonl``: its start (``time.time()``, comparable across processes), wall, the CPU time
+of the loop's thread (its host work; the rest of the wall it waited for the model or for requests), the CPU
+time of the whole process (with vLLM's socket threads, which serialize outputs), the time inside ``schedule``
+and ``update_from_output``, and the tokens and requests scheduled. A process that loads the plugin but never
+schedules (vLLM's front-end with the engine core elsewhere, the workers) writes nothing.
+
+`summarize` reads the turns of a time window, e.g. one generate's.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from pathlib import Path
+
+__all__ = ["ENV", "install", "summarize"]
+
+ENV = "JETRL_ENGINE_CORE_TIMING"
+FIELDS = ("wall_ms", "thread_cpu_ms", "process_cpu_ms", "schedule_ms", "update_ms")
+
+
+class _Recorder:
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.pid = os.getpid()
+        self.file = None
+        self.turn: dict | None = None  # the turn in progress: its start, its clocks at that start, its sums
+
+    def begin(self) -> dict:
+        """Called as ``schedule`` starts: close the previous turn (one line) and open the next."""
+        now = {"t": time.time(), "p": time.perf_counter(), "c": time.thread_time(), "pc": time.process_time()}
+        if self.pid != os.getpid():  # a forked engine-core process: its own file, no turn of its parent's
+            self.pid, self.file, self.turn = os.getpid(), None, None
+        if (prev := self.turn) is not None:
+            if self.file is None:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                path = self.folder / f"engine-core-{os.getpid()}.jsonl"
+                self.file = path.open("a", buffering=1)  # line-buffered: a reader sees every finished turn
+            row = {
+                "t": prev["t"],
+                "wall_ms": (now["p"] - prev["p"]) * 1e3,
+                "thread_cpu_ms": (now["c"] - prev["c"]) * 1e3,
+                "process_cpu_ms": (now["pc"] - prev["pc"]) * 1e3,
+                "schedule_ms": prev["schedule_ms"],
+                "update_ms": prev["update_ms"],
+                "tokens": prev["tokens"],
+                "requests": prev["requests"],
+            }
+            self.file.write(json.dumps(row) + "\n")
+        self.turn = {**now, "schedule_ms": 0.0, "update_ms": 0.0, "tokens": 0, "requests": 0}
+        return self.turn
+
+
+def install(scheduler_cls: type) -> bool:
+    """Wrap `scheduler_cls`'s (vLLM's ``vllm.v1.core.sched.scheduler.Scheduler``, the base of its async scheduler)
+    ``schedule`` and ``update_from_output`` in this process when `ENV` names a folder (idempotent); False when it
+    does not. The plugin passes the class: this module imports no vLLM."""
+    folder = os.environ.get(ENV)
+    if not folder:
+        return False
+    if getattr(scheduler_cls.schedule, "_jetrl_timed", False):
+        return True
+    rec = _Recorder(Path(folder))
+    schedule, update = scheduler_cls.schedule, scheduler_cls.update_from_output
+
+    @functools.wraps(schedule)
+    def timed_schedule(self, *args, **kwargs):
+        turn = rec.begin()
+        t0 = time.perf_counter()
+        out = schedule(self, *args, **kwargs)
+        turn["schedule_ms"] += (time.perf_counter() - t0) * 1e3
+        turn["tokens"] += int(out.total_num_scheduled_tokens)
+        turn["requests"] += len(out.num_scheduled_tokens)
+        return out
+
+    @functools.wraps(update)
+    def timed_update(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return update(self, *args, **kwargs)
+        finally:
+            if rec.turn is not None:
+                rec.turn["update_ms"] += (time.perf_counter() - t0) * 1e3
+
+    timed_schedule._jetrl_timed = True
+    scheduler_cls.schedule, scheduler_cls.update_from_output = timed_schedule, timed_update
+    return True
+
+
+def summarize(folder: str | Path, start: float, end: float) -> dict:
+    """The engine-core turns that began and ended inside ``[start, end]`` (``time.time()`` values, e.g. around a
+    generate), from every process that recorded into `folder`: ``steps`` (the turns that scheduled tokens),
+    ``turns`` (all), the processes, each field of `FIELDS` summed over all turns (``total_s``) and per step
+    (``per_step_ms``: the sum over the steps), and the tokens scheduled. Raises ValueError when no step falls
+    inside (the engine was started without `ENV`, or the window holds no engine step)."""
+    rows, pids = [], set()
+    for path in sorted(Path(folder).glob("engine-core-*.jsonl")):
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            if r["t"] >= start and r["t"] + r["wall_ms"] / 1e3 <= end:
+                rows.append(r)
+                pids.add(int(path.stem.rsplit("-", 1)[1]))
+    steps = sum(r["tokens"] > 0 for r in rows)
+    if not steps:
+        raise ValueError(
+            f"engine_timing.summarize: no engine-core step recorded in {folder} between {start:.3f} and {end:.3f} "
+            f"(was the engine started with {ENV} set?)"
+        )
+    total = {f.removesuffix("_ms"): sum(r[f] for r in rows) / 1e3 for f in FIELDS}
+    return {
+        "steps": steps,
+        "turns": len(rows),
+        "pids": sorted(pids),
+        "tokens": sum(r["tokens"] for r in rows),
+        "total_s": total,
+        "per_step_ms": {k: v * 1e3 / steps for k, v in total.items()},
+    }
