@@ -214,12 +214,10 @@ def run_one(args) -> dict:
 def engine_core_timing(start: float, end: float) -> dict:
     """`ROLLOUT_CORE` for the engine-core steps between `start` and `end` (``time.time()``), from the folder
     ``JETRL_ENGINE_CORE_TIMING`` names (set for each run by `main`); {} where it is unset."""
-    from jetrl.rollout import engine_timing
+    from jetrl.rollout.engine_timing import recorded
 
-    folder = os.environ.get(engine_timing.ENV)
-    if not folder:
+    if (got := recorded(start, end)) is None:
         return {}
-    got = engine_timing.summarize(folder, start, end)
     per = got["per_step_ms"]
     return {
         "rollout/core_steps": got["steps"],

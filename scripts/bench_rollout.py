@@ -26,7 +26,10 @@ process) and ``--executor mp`` (the model in a worker process of its own) run th
 servers do (both: verl's layout); neither allows ``--host-profile`` (the model is in another process), a weight
 sync then travels to the model's process in `jetrl.rollout.transfer` parcels (CUDA IPC handles on a GPU; only
 for the ``--sync-modes`` named: none by default), and ``--profile`` records the model's process with vLLM's own
-profiler (its trace's GPU time against the generate's wall time here).
+profiler (its trace's GPU time against the generate's wall time here). Every timed decode run also records
+vLLM's engine core per step, wherever it runs (``engine_core_ms``: wall, the CPU time of its loop's thread and
+of its process, the time in ``schedule`` and ``update_from_output``; `jetrl.rollout.engine_timing`): whether
+the scheduler's host work paces the step.
 
 CPU (``--tiny``): the same flow on the tiny Qwen3 (`jetrl.tiny`) with the emulated GEMM backend, plus
 the log-prob mismatch per recipe; stock FP8 is reported as unavailable (vLLM's CPU block-FP8 path needs
@@ -40,6 +43,7 @@ Intel AMX). Writes scripts/results/rollout-<cpu|gpu>.json and prints a table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -118,19 +122,25 @@ def _decode(engine, shape: tuple[int, int, int], vocab: int, seed: int, repeats:
     limit (the JSON is written once the mode ends) still leaves them in its log."""
     import statistics
 
+    from jetrl.rollout.engine_timing import recorded
+
     batch, in_len, out_len = shape
     prompts = _prompts(batch, in_len, vocab, seed)
     kw = {"seed": seed, "ignore_eos": True}
     engine.generate(prompts, max_tokens=min(out_len, 8), **kw)  # warm-up at this batch
-    runs = []
+    runs, cores = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        start, t0 = time.time(), time.perf_counter()
         samples = engine.generate(prompts, max_tokens=out_len, **kw)
         dt = time.perf_counter() - t0
         runs.append(sum(len(s.response_ids) for s in samples) / dt)
+        core = recorded(start, time.time())  # vLLM's engine core in this run, per step (`run` has it record)
+        if core is not None:
+            cores.append(core["per_step_ms"])
         print(
             f"[{mode}] batch {batch} x ({in_len} + {out_len}): run {len(runs)}/{repeats} {runs[-1]:.1f} tok/s "
-            f"in {dt:.2f} s",
+            f"in {dt:.2f} s"
+            + (f"; engine core {cores[-1]['wall']:.2f} ms/step, {cores[-1]['thread_cpu']:.2f} CPU" if cores else ""),
             flush=True,
         )
     return {
@@ -139,6 +149,8 @@ def _decode(engine, shape: tuple[int, int, int], vocab: int, seed: int, repeats:
         "output_len": out_len,
         "tok_s": statistics.median(runs),
         "tok_s_runs": runs,
+        # per engine step, the median over the runs: wall, its loop thread's / process's CPU, schedule, update
+        **({"engine_core_ms": {k: statistics.median(c[k] for c in cores) for k in cores[0]}} if cores else {}),
     }
 
 
@@ -349,6 +361,21 @@ def _save(result: dict, out: Path | None) -> None:
         out.write_text(json.dumps(result, indent=2) + "\n")
 
 
+@contextlib.contextmanager
+def _engine_core_timing(tmp: Path):
+    """The engines started inside record their engine core's steps (`jetrl.rollout.engine_timing`) under `tmp`,
+    unless the environment names a folder already (a parent's run: the isolated children inherit it)."""
+    from jetrl.rollout.engine_timing import ENV
+
+    prior = os.environ.get(ENV)
+    os.environ[ENV] = prior or str(tmp / "engine-core")
+    try:
+        yield
+    finally:
+        if prior is None:
+            del os.environ[ENV]
+
+
 def run(args, out: Path | None = None) -> dict:
     """Run every mode; the JSON at `out` is rewritten after each one, so a run cut short keeps what it
     measured. A mode that raises is recorded under ``errors`` (the others still run)."""
@@ -382,7 +409,7 @@ def run(args, out: Path | None = None) -> dict:
         "profile": {},
         "host_profile": {},
     }
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _engine_core_timing(Path(tmp)):
         path, vocab = _model_dir(args, Path(tmp))
         for mode in args.modes:
             recipe_name, rollout = MODES[mode]

@@ -2,18 +2,20 @@
 
 vLLM's engine core (the scheduler's loop) runs in the caller's process with the in-process engine and in a
 process of its own otherwise (``VLLM_ENABLE_V1_MULTIPROCESSING=1``, `jetrl train`'s ``rollout.executor: mp``,
-verl's rollout servers); no profiler of the caller's or the worker's process sees it. With
-``JETRL_ENGINE_CORE_TIMING=DIR`` in the environment of the process that starts an engine, jetrl's vLLM plugin
+verl's rollout servers); no profiler of the caller's or the worker's process sees it. jetrl's vLLM plugin
 (`jetrl.rollout.vllm_plugin.register`, which vLLM loads in every process it starts) calls `install`, which wraps
-vLLM's ``Scheduler.schedule`` and ``Scheduler.update_from_output`` in that process. Each turn of the engine
-core's loop -- from one ``schedule`` call to the next -- then appends one JSON line to
-``DIR/engine-core-<pid>.jsonl``: its start (``time.time()``, comparable across processes), wall, the CPU time
-of the loop's thread (its host work; the rest of the wall it waited for the model or for requests), the CPU
-time of the whole process (with vLLM's socket threads, which serialize outputs), the time inside ``schedule``
-and ``update_from_output``, and the tokens and requests scheduled. A process that loads the plugin but never
-schedules (vLLM's front-end with the engine core elsewhere, the workers) writes nothing.
+vLLM's ``Scheduler.schedule`` and ``Scheduler.update_from_output`` in that process. With
+``JETRL_ENGINE_CORE_TIMING=DIR`` in the environment of the engine core's process (inherited from the process
+that starts the engine), each turn of the engine core's loop -- from one ``schedule`` call to the next --
+appends one JSON line to ``DIR/engine-core-<pid>.jsonl``: its start (``time.time()``, comparable across
+processes), wall, the CPU time of the loop's thread (its host work; the rest of the wall it waited for the
+model or for requests; with the in-process engine the thread also runs the caller and, with vLLM's
+uni-process executor, the model's host side), the CPU time of the whole process (with vLLM's socket threads,
+which serialize outputs), the time inside ``schedule`` and ``update_from_output``, and the tokens and requests
+scheduled. A process that never schedules (vLLM's front-end with the engine core elsewhere, the workers)
+writes nothing.
 
-`summarize` reads the turns of a time window, e.g. one generate's.
+`summarize` reads the turns of a time window, e.g. one generate's; `recorded` those of this process's `ENV`.
 """
 
 from __future__ import annotations
@@ -24,28 +26,30 @@ import os
 import time
 from pathlib import Path
 
-__all__ = ["ENV", "install", "summarize"]
+__all__ = ["ENV", "install", "recorded", "summarize"]
 
 ENV = "JETRL_ENGINE_CORE_TIMING"
 FIELDS = ("wall_ms", "thread_cpu_ms", "process_cpu_ms", "schedule_ms", "update_ms")
 
 
 class _Recorder:
-    def __init__(self, folder: Path):
-        self.folder = folder
-        self.pid = os.getpid()
-        self.file = None
+    def __init__(self):
+        self.pid, self.folder, self.file = os.getpid(), None, None
         self.turn: dict | None = None  # the turn in progress: its start, its clocks at that start, its sums
 
     def begin(self) -> dict:
-        """Called as ``schedule`` starts: close the previous turn (one line) and open the next."""
+        """Called as ``schedule`` starts: close the previous turn (one line) and open the next, into the folder
+        `ENV` names now (none while it is unset)."""
         now = {"t": time.time(), "p": time.perf_counter(), "c": time.thread_time(), "pc": time.process_time()}
-        if self.pid != os.getpid():  # a forked engine-core process: its own file, no turn of its parent's
-            self.pid, self.file, self.turn = os.getpid(), None, None
+        folder = os.environ.get(ENV)
+        if self.pid != os.getpid() or folder != self.folder:  # a forked process, or another folder: start afresh
+            if self.file is not None and self.pid == os.getpid():
+                self.file.close()
+            self.pid, self.folder, self.file, self.turn = os.getpid(), folder, None, None
         if (prev := self.turn) is not None:
             if self.file is None:
-                self.folder.mkdir(parents=True, exist_ok=True)
-                path = self.folder / f"engine-core-{os.getpid()}.jsonl"
+                Path(self.folder).mkdir(parents=True, exist_ok=True)
+                path = Path(self.folder) / f"engine-core-{os.getpid()}.jsonl"
                 self.file = path.open("a", buffering=1)  # line-buffered: a reader sees every finished turn
             row = {
                 "t": prev["t"],
@@ -58,20 +62,19 @@ class _Recorder:
                 "requests": prev["requests"],
             }
             self.file.write(json.dumps(row) + "\n")
-        self.turn = {**now, "schedule_ms": 0.0, "update_ms": 0.0, "tokens": 0, "requests": 0}
-        return self.turn
+        turn = {**now, "schedule_ms": 0.0, "update_ms": 0.0, "tokens": 0, "requests": 0}
+        self.turn = turn if folder else None
+        return turn
 
 
-def install(scheduler_cls: type) -> bool:
+def install(scheduler_cls: type) -> None:
     """Wrap `scheduler_cls`'s (vLLM's ``vllm.v1.core.sched.scheduler.Scheduler``, the base of its async scheduler)
-    ``schedule`` and ``update_from_output`` in this process when `ENV` names a folder (idempotent); False when it
-    does not. The plugin passes the class: this module imports no vLLM."""
-    folder = os.environ.get(ENV)
-    if not folder:
-        return False
+    ``schedule`` and ``update_from_output`` in this process (idempotent). The turns go to the folder `ENV` names
+    as each begins; while it is unset the wrappers only call through (a few microseconds a step). The plugin
+    passes the class: this module imports no vLLM."""
     if getattr(scheduler_cls.schedule, "_jetrl_timed", False):
-        return True
-    rec = _Recorder(Path(folder))
+        return
+    rec = _Recorder()
     schedule, update = scheduler_cls.schedule, scheduler_cls.update_from_output
 
     @functools.wraps(schedule)
@@ -95,7 +98,6 @@ def install(scheduler_cls: type) -> bool:
 
     timed_schedule._jetrl_timed = True
     scheduler_cls.schedule, scheduler_cls.update_from_output = timed_schedule, timed_update
-    return True
 
 
 def summarize(folder: str | Path, start: float, end: float) -> dict:
@@ -126,3 +128,10 @@ def summarize(folder: str | Path, start: float, end: float) -> dict:
         "total_s": total,
         "per_step_ms": {k: v * 1e3 / steps for k, v in total.items()},
     }
+
+
+def recorded(start: float, end: float) -> dict | None:
+    """`summarize` of the folder `ENV` names in this process's environment (the one the engines it starts record
+    into); None where it is unset."""
+    folder = os.environ.get(ENV)
+    return summarize(folder, start, end) if folder else None

@@ -427,7 +427,7 @@ def register() -> None:
 
     _request_amx_permission()
     register_models()
-    engine_timing.install(Scheduler)  # only with JETRL_ENGINE_CORE_TIMING set
+    engine_timing.install(Scheduler)  # records only while JETRL_ENGINE_CORE_TIMING names a folder
     set_live_rows_provider(_step_slots)
     for cls in (JetFP8LinearMethod, JetFP8NaiveLinearMethod, JetBF16LinearMethod):
         if cls.__name__ not in WEIGHT_LOADER_V2_SUPPORTED:

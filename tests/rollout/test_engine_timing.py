@@ -41,13 +41,16 @@ def test_each_turn_of_the_loop_is_one_line_with_its_schedule_and_update(tmp_path
     """A turn runs from one ``schedule`` call to the next: its line carries that schedule's tokens and requests and
     the ``update_from_output`` calls inside it; the turn still running has no line yet."""
     sched_cls = _fake_scheduler()
-    monkeypatch.delenv(engine_timing.ENV, raising=False)
-    assert engine_timing.install(sched_cls) is False  # without the variable nothing is wrapped
-    assert not hasattr(sched_cls.schedule, "_jetrl_timed")
-    monkeypatch.setenv(engine_timing.ENV, str(tmp_path / "timing"))
-    assert engine_timing.install(sched_cls) is True
+    engine_timing.install(sched_cls)
     wrapped = sched_cls.schedule
-    assert engine_timing.install(sched_cls) is True and sched_cls.schedule is wrapped  # idempotent
+    engine_timing.install(sched_cls)
+    assert sched_cls.schedule is wrapped  # idempotent
+    monkeypatch.delenv(engine_timing.ENV, raising=False)
+    unset = sched_cls([[3], [3]])
+    assert unset.schedule().total_num_scheduled_tokens == 3 and unset.update_from_output(5) == 10  # calls through
+    unset.schedule()
+    assert not list(tmp_path.iterdir())  # and records nothing while the variable is unset
+    monkeypatch.setenv(engine_timing.ENV, str(tmp_path / "timing"))
 
     s = sched_cls([[4, 1], [1, 1, 1], [0], [2]])
     start = time.time()
@@ -73,8 +76,18 @@ def test_each_turn_of_the_loop_is_one_line_with_its_schedule_and_update(tmp_path
         assert total == pytest.approx(sum(r[f"{k}_ms"] for r in rows) / 1e3)
         assert got["per_step_ms"][k] == pytest.approx(total * 1e3 / 2)  # per turn that scheduled tokens
 
+    # the folder is the one the variable names as a turn begins: the turn running at a change is dropped
+    monkeypatch.setenv(engine_timing.ENV, str(tmp_path / "other"))
+    s = sched_cls([[1], [1], [1]])
+    s.schedule()
+    s.schedule()
+    assert [r["tokens"] for r in _rows(tmp_path / "other")] == [1]
+    monkeypatch.delenv(engine_timing.ENV)
+    s.schedule()  # unset: nothing more is written anywhere
+    assert len(_rows(tmp_path / "other")) == 1 and len(_rows(tmp_path / "timing")) == 3
 
-def test_summarize_keeps_the_turns_inside_the_window_and_names_the_variable_when_none(tmp_path):
+
+def test_summarize_keeps_the_turns_inside_the_window_and_names_the_variable_when_none(tmp_path, monkeypatch):
     folder = tmp_path / "timing"
     folder.mkdir()
     rows = [
@@ -89,6 +102,10 @@ def test_summarize_keeps_the_turns_inside_the_window_and_names_the_variable_when
     assert (got["steps"], got["pids"], got["total_s"]["wall"]) == (1, [4242], 0.5)
     with pytest.raises(ValueError, match=f"no engine-core step .* {engine_timing.ENV} set"):
         engine_timing.summarize(folder, 200.0, 300.0)
+    monkeypatch.delenv(engine_timing.ENV, raising=False)
+    assert engine_timing.recorded(100.0, 101.0) is None  # this process's engines record nowhere
+    monkeypatch.setenv(engine_timing.ENV, str(folder))
+    assert engine_timing.recorded(100.0, 101.0) == got
 
 
 @pytest.mark.vllm

@@ -305,3 +305,31 @@ def test_engines_decode_through_cuda_graphs(bench, tmp_path, recipe, ops, execut
     finally:
         engine.close()
     assert prof["launches_per_step"]["graph"] >= 0.9, prof["launches_per_step"]
+
+
+def test_decode_records_the_engine_cores_steps_of_each_timed_run(bench, monkeypatch, tmp_path):
+    """With JETRL_ENGINE_CORE_TIMING set (`run` sets it) each timed run's engine-core steps are read back per step
+    (`jetrl.rollout.engine_timing`), and the row keeps their medians over the runs."""
+    import json
+    import time
+    from types import SimpleNamespace
+
+    from jetrl.rollout.engine_timing import ENV, FIELDS
+
+    folder = tmp_path / "core"
+    folder.mkdir()
+    walls = iter([2.0, 9.0, 4.0, 6.0])  # per generate: the warm-up's, then the timed runs'
+
+    class Engine:
+        def generate(self, prompts, max_tokens, **kw):
+            time.sleep(0.02)
+            wall = next(walls)
+            with (folder / "engine-core-5.jsonl").open("a") as f:
+                row = {"t": time.time() - 0.01, **dict.fromkeys(FIELDS, wall), "tokens": 4, "requests": 4}
+                f.write(json.dumps({**row, "wall_ms": 5.0}) + "\n")
+            return [SimpleNamespace(response_ids=[1] * max_tokens) for _ in prompts]
+
+    monkeypatch.setenv(ENV, str(folder))
+    row = bench._decode(Engine(), (4, 3, 5), vocab=50, seed=0, repeats=3, mode="bf16")
+    core = row["engine_core_ms"]
+    assert core["wall"] == 5.0 and core["thread_cpu"] == core["schedule"] == 6.0  # the median of 9, 4, 6
