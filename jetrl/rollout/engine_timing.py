@@ -37,15 +37,17 @@ class _Recorder:
         self.pid, self.folder, self.file = os.getpid(), None, None
         self.turn: dict | None = None  # the turn in progress: its start, its clocks at that start, its sums
 
-    def begin(self) -> dict:
+    def begin(self) -> dict | None:
         """Called as ``schedule`` starts: close the previous turn (one line) and open the next, into the folder
-        `ENV` names now (none while it is unset)."""
-        now = {"t": time.time(), "p": time.perf_counter(), "c": time.thread_time(), "pc": time.process_time()}
+        `ENV` names now; None (nothing recorded) while it is unset."""
         folder = os.environ.get(ENV)
         if self.pid != os.getpid() or folder != self.folder:  # a forked process, or another folder: start afresh
             if self.file is not None and self.pid == os.getpid():
                 self.file.close()
             self.pid, self.folder, self.file, self.turn = os.getpid(), folder, None, None
+        if not folder:
+            return None
+        now = {"t": time.time(), "p": time.perf_counter(), "c": time.thread_time(), "pc": time.process_time()}
         if (prev := self.turn) is not None:
             if self.file is None:
                 Path(self.folder).mkdir(parents=True, exist_ok=True)
@@ -62,15 +64,14 @@ class _Recorder:
                 "requests": prev["requests"],
             }
             self.file.write(json.dumps(row) + "\n")
-        turn = {**now, "schedule_ms": 0.0, "update_ms": 0.0, "tokens": 0, "requests": 0}
-        self.turn = turn if folder else None
-        return turn
+        self.turn = {**now, "schedule_ms": 0.0, "update_ms": 0.0, "tokens": 0, "requests": 0}
+        return self.turn
 
 
 def install(scheduler_cls: type) -> None:
     """Wrap `scheduler_cls`'s (vLLM's ``vllm.v1.core.sched.scheduler.Scheduler``, the base of its async scheduler)
     ``schedule`` and ``update_from_output`` in this process (idempotent). The turns go to the folder `ENV` names
-    as each begins; while it is unset the wrappers only call through (a few microseconds a step). The plugin
+    as each begins; while it is unset the wrappers only call through (an environment lookup a step). The plugin
     passes the class: this module imports no vLLM."""
     if getattr(scheduler_cls.schedule, "_jetrl_timed", False):
         return
@@ -79,7 +80,8 @@ def install(scheduler_cls: type) -> None:
 
     @functools.wraps(schedule)
     def timed_schedule(self, *args, **kwargs):
-        turn = rec.begin()
+        if (turn := rec.begin()) is None:
+            return schedule(self, *args, **kwargs)
         t0 = time.perf_counter()
         out = schedule(self, *args, **kwargs)
         turn["schedule_ms"] += (time.perf_counter() - t0) * 1e3
@@ -89,12 +91,13 @@ def install(scheduler_cls: type) -> None:
 
     @functools.wraps(update)
     def timed_update(self, *args, **kwargs):
+        if (turn := rec.turn) is None:
+            return update(self, *args, **kwargs)
         t0 = time.perf_counter()
         try:
             return update(self, *args, **kwargs)
         finally:
-            if rec.turn is not None:
-                rec.turn["update_ms"] += (time.perf_counter() - t0) * 1e3
+            turn["update_ms"] += (time.perf_counter() - t0) * 1e3
 
     timed_schedule._jetrl_timed = True
     scheduler_cls.schedule, scheduler_cls.update_from_output = timed_schedule, timed_update
