@@ -80,7 +80,7 @@ NUMERICS = ("hf", "strict")
 TIMES = ("time/rollout_s", "time/old_logp_s", "time/update_s", "time/train_s", "time/sync_s")
 """The trainer's per-step phases kept (train = old log-probs + update)."""
 ROLLOUT_HOST = ("rollout/cpu_s", "rollout/thread_cpu_s", "rollout/gc_s", "rollout/gc_full")
-# vLLM's engine core in the rollout phase, per step it scheduled (`jetrl.rollout.engine_timing`)
+"""The trainer process's host time in each step's rollout phase (`meter_rollouts`)."""
 ROLLOUT_CORE = (
     "rollout/core_steps",
     "rollout/core_wall_ms",
@@ -89,7 +89,7 @@ ROLLOUT_CORE = (
     "rollout/core_schedule_ms",
     "rollout/core_update_ms",
 )
-"""The trainer process's host time in each step's rollout phase (`meter_rollouts`)."""
+"""vLLM's engine core in each step's rollout phase, per step it scheduled (`engine_core_timing`)."""
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 """Decode batch sizes vLLM captures CUDA graphs for with --cuda-graphs (a step decodes <= 256 sequences)."""
 

@@ -106,8 +106,8 @@ def install(scheduler_cls: type) -> None:
 def summarize(folder: str | Path, start: float, end: float) -> dict:
     """The engine-core turns that began and ended inside ``[start, end]`` (``time.time()`` values, e.g. around a
     generate), from every process that recorded into `folder`: ``steps`` (the turns that scheduled tokens),
-    ``turns`` (all), the processes, each field of `FIELDS` summed over all turns (``total_s``) and per step
-    (``per_step_ms``: the sum over the steps), and the tokens scheduled. Raises ValueError when no step falls
+    ``turns`` (all), the processes, each field of `FIELDS` summed over all turns (``total_s``) and that sum
+    divided by the steps (``per_step_ms``), and the tokens scheduled. Raises ValueError when no step falls
     inside (the engine was started without `ENV`, or the window holds no engine step)."""
     rows, pids = [], set()
     for path in sorted(Path(folder).glob("engine-core-*.jsonl")):
