@@ -35,8 +35,8 @@ CUDA `jetrl-unified` with the trainer's, fused with ``--fuse``; BF16 with vLLM's
 The step is split into rollout / old log-probs (the no-grad pass over the batch, ref included) / update /
 sync (the trainer's ``time/*`` of each step), with the trainer process's host time in the rollout
 (``rollout/*``, `meter_rollouts`: CPU seconds, the garbage collector's pauses) and vLLM's engine core's, measured
-in whichever process runs it (``rollout/core_*`` per engine step: wall, its loop thread's CPU, its process's CPU,
-the scheduler's ``schedule`` and ``update_from_output``; `jetrl.rollout.engine_timing`, its lines in
+in whichever process runs it (``rollout/core_*`` per engine step: wall, the scheduler's ``schedule`` and
+``update_from_output``, its loop thread's and its process's CPU; `jetrl.rollout.engine_timing`, its lines in
 ``<out>/e2e-logs/engine-core-<run>/``). ``--numerics hf,strict`` times
 each recipe with the default and with the strict numerics (``model.numerics=strict``, runs keyed
 ``<recipe>-strict``, written to ``e2e-[...-]strict-<device>.json``) and reports the strict / hf ratio of each
@@ -232,8 +232,8 @@ def meter_rollouts(tr) -> list[dict]:
     the garbage collector's pauses and its full (generation-2) collections. Set beside ``time/rollout_s``
     they tell whether this process paced the rollout (thread CPU near the phase's wall) or waited on the
     engine. Where vLLM's engine core recorded its steps (`engine_core_timing`), also its figures per step
-    (`ROLLOUT_CORE`): wall, its loop thread's CPU (the host work that paces a host-bound step), its process's
-    CPU, the time in the scheduler's ``schedule`` and ``update_from_output``."""
+    (`ROLLOUT_CORE`): wall, the time in the scheduler's ``schedule`` and ``update_from_output`` (its host work),
+    its loop thread's and its process's CPU (which count vLLM's busy polling of its worker too)."""
     rollout, done = tr._rollout, []
 
     def metered(step: int):
@@ -593,8 +593,8 @@ def print_table(out: dict) -> None:
             rc = {k.removeprefix("rollout/core_"): _median(run["steps"], k) for k in ROLLOUT_CORE}
             print(
                 f"{r} rollout engine core (median, per step of {rc['steps']:.0f}): {rc['wall_ms']:.2f} ms wall, "
-                f"{rc['thread_cpu_ms']:.2f} ms CPU in its loop's thread (schedule {rc['schedule_ms']:.2f}, "
-                f"update_from_output {rc['update_ms']:.2f}), {rc['process_cpu_ms']:.2f} ms in its process"
+                f"schedule {rc['schedule_ms']:.2f} + update_from_output {rc['update_ms']:.2f} ms; CPU "
+                f"{rc['thread_cpu_ms']:.2f} ms in its loop's thread, {rc['process_cpu_ms']:.2f} in its process"
             )
         if (pad := out["median"].get(r, {}).get("batch/pad_frac")) is not None:
             length = out["median"][r]["response/length_mean"]
@@ -614,8 +614,8 @@ def print_table(out: dict) -> None:
                 + "; "
                 f"{p['wall_ms_per_step']:.2f} ms/step wall, {p['gpu_busy_ms_per_step']:.2f} GPU-busy{host}"
                 + (
-                    f"; engine core {c['rollout/core_wall_ms']:.2f} ms/step wall, "
-                    f"{c['rollout/core_thread_cpu_ms']:.2f} CPU in its loop"
+                    f"; engine core {c['rollout/core_wall_ms']:.2f} ms/step wall, schedule + update "
+                    f"{c['rollout/core_schedule_ms'] + c['rollout/core_update_ms']:.2f}"
                     if (c := pr.get("engine_core"))
                     else ""
                 )

@@ -8,12 +8,13 @@ vLLM's ``Scheduler.schedule`` and ``Scheduler.update_from_output`` in that proce
 ``JETRL_ENGINE_CORE_TIMING=DIR`` in the environment of the engine core's process (inherited from the process
 that starts the engine), each turn of the engine core's loop -- from one ``schedule`` call to the next --
 appends one JSON line to ``DIR/engine-core-<pid>.jsonl``: its start (``time.time()``, comparable across
-processes), wall, the CPU time of the loop's thread (its host work; the rest of the wall it waited for the
-model or for requests; with the in-process engine the thread also runs the caller and, with vLLM's
-uni-process executor, the model's host side), the CPU time of the whole process (with vLLM's socket threads,
-which serialize outputs), the time inside ``schedule`` and ``update_from_output``, and the tokens and requests
-scheduled. A process that never schedules (vLLM's front-end with the engine core elsewhere, the workers)
-writes nothing.
+processes), wall, the time inside ``schedule`` and ``update_from_output`` (host work by construction: the
+scheduler's Python), the CPU time of the loop's thread and of the whole process (with vLLM's socket threads,
+which serialize outputs), and the tokens and requests scheduled. The CPU times are not host work alone: with
+vLLM's multiprocess executor the loop's thread busy-polls the worker's shared-memory queue while it waits
+(its CPU can equal the wall of a step it spent waiting), and with the in-process engine the thread also runs
+the caller and, with the uni-process executor, the model's host side. A process that never schedules (vLLM's
+front-end with the engine core elsewhere, the workers) writes nothing.
 
 `summarize` reads the turns of a time window, e.g. one generate's; `recorded` those of this process's `ENV`.
 """
