@@ -36,7 +36,7 @@ The step is split into rollout / old log-probs (the no-grad pass over the batch,
 sync (the trainer's ``time/*`` of each step), with the trainer process's host time in the rollout
 (``rollout/*``, `meter_rollouts`: CPU seconds, the garbage collector's pauses) and vLLM's engine core's, measured
 in whichever process runs it (``rollout/core_*`` per engine step: wall, the scheduler's ``schedule`` and
-``update_from_output``, its loop thread's and its process's CPU; `jetrl.rollout.engine_timing`, its lines in
+``update_from_output``; `jetrl.rollout.engine_timing`, its lines in
 ``<out>/e2e-logs/engine-core-<run>/``). ``--numerics hf,strict`` times
 each recipe with the default and with the strict numerics (``model.numerics=strict``, runs keyed
 ``<recipe>-strict``, written to ``e2e-[...-]strict-<device>.json``) and reports the strict / hf ratio of each
@@ -84,8 +84,6 @@ ROLLOUT_HOST = ("rollout/cpu_s", "rollout/thread_cpu_s", "rollout/gc_s", "rollou
 ROLLOUT_CORE = (
     "rollout/core_steps",
     "rollout/core_wall_ms",
-    "rollout/core_thread_cpu_ms",
-    "rollout/core_process_cpu_ms",
     "rollout/core_schedule_ms",
     "rollout/core_update_ms",
 )
@@ -221,7 +219,7 @@ def engine_core_timing(start: float, end: float) -> dict:
     per = got["per_step_ms"]
     return {
         "rollout/core_steps": got["steps"],
-        **{f"rollout/core_{k}_ms": per[k] for k in ("wall", "thread_cpu", "process_cpu", "schedule", "update")},
+        **{f"rollout/core_{k}_ms": per[k] for k in ("wall", "schedule", "update")},
     }
 
 
@@ -232,8 +230,8 @@ def meter_rollouts(tr) -> list[dict]:
     the garbage collector's pauses and its full (generation-2) collections. Set beside ``time/rollout_s``
     they tell whether this process paced the rollout (thread CPU near the phase's wall) or waited on the
     engine. Where vLLM's engine core recorded its steps (`engine_core_timing`), also its figures per step
-    (`ROLLOUT_CORE`): wall, the time in the scheduler's ``schedule`` and ``update_from_output`` (its host work),
-    its loop thread's and its process's CPU (which count vLLM's busy polling of its worker too)."""
+    (`ROLLOUT_CORE`): wall and the time in the scheduler's ``schedule`` and ``update_from_output`` (its host
+    work)."""
     rollout, done = tr._rollout, []
 
     def metered(step: int):
@@ -593,8 +591,7 @@ def print_table(out: dict) -> None:
             rc = {k.removeprefix("rollout/core_"): _median(run["steps"], k) for k in ROLLOUT_CORE}
             print(
                 f"{r} rollout engine core (median, per step of {rc['steps']:.0f}): {rc['wall_ms']:.2f} ms wall, "
-                f"schedule {rc['schedule_ms']:.2f} + update_from_output {rc['update_ms']:.2f} ms; CPU "
-                f"{rc['thread_cpu_ms']:.2f} ms in its loop's thread, {rc['process_cpu_ms']:.2f} in its process"
+                f"schedule {rc['schedule_ms']:.2f} + update_from_output {rc['update_ms']:.2f} ms"
             )
         if (pad := out["median"].get(r, {}).get("batch/pad_frac")) is not None:
             length = out["median"][r]["response/length_mean"]

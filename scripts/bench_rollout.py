@@ -27,9 +27,8 @@ servers do (both: verl's layout); neither allows ``--host-profile`` (the model i
 sync then travels to the model's process in `jetrl.rollout.transfer` parcels (CUDA IPC handles on a GPU; only
 for the ``--sync-modes`` named: none by default), and ``--profile`` records the model's process with vLLM's own
 profiler (its trace's GPU time against the generate's wall time here). Every timed decode run also records
-vLLM's engine core per step, wherever it runs (``engine_core_ms``: wall, the time in ``schedule`` and
-``update_from_output``, the CPU time of its loop's thread and of its process; `jetrl.rollout.engine_timing`):
-whether the scheduler's host work paces the step.
+vLLM's engine core per step, wherever it runs (``engine_core_ms``: wall and the time in ``schedule`` and
+``update_from_output``; `jetrl.rollout.engine_timing`): whether the scheduler's host work paces the step.
 
 CPU (``--tiny``): the same flow on the tiny Qwen3 (`jetrl.tiny`) with the emulated GEMM backend, plus
 the log-prob mismatch per recipe; stock FP8 is reported as unavailable (vLLM's CPU block-FP8 path needs
@@ -154,7 +153,7 @@ def _decode(engine, shape: tuple[int, int, int], vocab: int, seed: int, repeats:
         "output_len": out_len,
         "tok_s": statistics.median(runs),
         "tok_s_runs": runs,
-        # per engine step, the median over the runs: wall, schedule, update, its loop thread's / process's CPU
+        # per engine step, the median over the runs: wall, schedule, update
         **({"engine_core_ms": {k: statistics.median(c[k] for c in cores) for k in cores[0]}} if cores else {}),
     }
 
