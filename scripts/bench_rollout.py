@@ -29,6 +29,8 @@ for the ``--sync-modes`` named: none by default), and ``--profile`` records the 
 profiler (its trace's GPU time against the generate's wall time here). Every timed decode run also records
 vLLM's engine core per step, wherever it runs (``engine_core_ms``: wall and the time in ``schedule`` and
 ``update_from_output``; `jetrl.rollout.engine_timing`): whether the scheduler's host work paces the step.
+``--engines N`` (with ``--multiprocess``) starts N engines of each mode on the one device and splits every decode's
+batch between them: N engine cores, each pacing its own steps in a process of its own, against one.
 
 CPU (``--tiny``): the same flow on the tiny Qwen3 (`jetrl.tiny`) with the emulated GEMM backend, plus
 the log-prob mismatch per recipe; stock FP8 is reported as unavailable (vLLM's CPU block-FP8 path needs
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -59,7 +62,7 @@ from shape_model import reusable_model_dir
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
-ARG_DEFAULTS = {"multiprocess": False, "executor": "uni"}
+ARG_DEFAULTS = {"multiprocess": False, "executor": "uni", "engines": 1}
 """Engine settings a result JSON from before the option existed ran with (``--merge`` compares them)."""
 
 LLAMA_8B = {
@@ -158,6 +161,40 @@ def _decode(engine, shape: tuple[int, int, int], vocab: int, seed: int, repeats:
     }
 
 
+class _Engines:
+    """``--engines N``: N engines of one mode on one device, driven as one. A generate splits the prompts into N
+    contiguous shares and each engine decodes its share in a thread of this process; with ``--multiprocess`` each
+    engine core paces its own steps in a process of its own, so their host work (the scheduler's Python, a few ms a
+    step at batch 256) runs side by side. Prompt i keeps the seed it has on one engine (seed + i). The
+    collector is paused around the whole generate (`collector_paused` per thread would re-enable it as the first
+    share ends)."""
+
+    def __init__(self, engines: list) -> None:
+        self.engines = engines
+        self.start_seconds = sum(e.start_seconds for e in engines)  # started one after another
+        kv = [e.kv_cache_tokens for e in engines]
+        self.kv_cache_tokens = None if None in kv else sum(kv)
+        self.quantization = engines[0].quantization
+
+    def generate(self, prompts: list[list[int]], *, max_tokens: int, seed: int, **kw) -> list:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from jetrl.rollout.adapter import collector_paused
+
+        n = len(self.engines)
+        bounds = [len(prompts) * k // n for k in range(n + 1)]
+        with collector_paused(), ThreadPoolExecutor(n) as pool:
+            futures = [
+                pool.submit(e.generate, prompts[lo:hi], max_tokens=max_tokens, seed=seed + lo, **kw)
+                for e, lo, hi in zip(self.engines, bounds, bounds[1:], strict=False)
+            ]
+            return [s for f in futures for s in f.result()]
+
+    def close(self) -> None:
+        for e in reversed(self.engines):
+            e.close()
+
+
 def _model_config(args) -> dict:
     """`LLAMA_8B` with ``--layers`` decoder layers."""
     return {**LLAMA_8B, "num_hidden_layers": args.layers}
@@ -228,19 +265,32 @@ def _run_mode(args, mode, recipe, rollout, path, vocab, shapes, result) -> None:
     if args.profile and _out_of_process(args):  # vLLM's profiler records the model's process
         trace_dir = Path(tempfile.mkdtemp(prefix=f"jetrl-trace-{mode}-"))
         kw["profiler_config"] = worker_profiler_config(trace_dir, python=args.profile_python)
+    start = functools.partial(
+        create_engine,
+        path,
+        recipe,
+        seed=0,
+        max_model_len=args.max_model_len,
+        enforce_eager=args.enforce_eager,
+        rollout=rollout,
+        backend=args.backend,
+        in_process=not args.multiprocess,
+        engine_ops=ENGINE_OPS.get(mode, "vllm"),
+        **kw,
+    )
     try:
-        engine = create_engine(
-            path,
-            recipe,
-            seed=0,
-            max_model_len=args.max_model_len,
-            enforce_eager=args.enforce_eager,
-            rollout=rollout,
-            backend=args.backend,
-            in_process=not args.multiprocess,
-            engine_ops=ENGINE_OPS.get(mode, "vllm"),
-            **kw,
-        )
+        if args.engines == 1:
+            engine = start()
+        else:
+            engines = []
+            try:
+                for _ in range(args.engines):
+                    engines.append(start())
+            except BaseException:
+                for e in reversed(engines):
+                    e.close()
+                raise
+            engine = _Engines(engines)
         try:
             _measure(args, mode, recipe, engine, vocab, shapes, result, trace_dir)
         finally:
@@ -401,6 +451,7 @@ def run(args, out: Path | None = None) -> dict:
         "enforce_eager": args.enforce_eager,
         "multiprocess": args.multiprocess,
         "executor": args.executor,
+        "engines": args.engines,
         "cudagraph_capture_sizes": None if args.enforce_eager else args.capture_sizes,
         "repeats": args.repeats,
         "tok_s_note": "median of repeats; decode = prompts of input_len random ids, output_len tokens, ignore_eos",
@@ -438,7 +489,9 @@ def run(args, out: Path | None = None) -> dict:
 
 
 def _table(result: dict) -> str:
-    lines = [f"rollout benchmark on {result['device']} ({result['model']})", ""]
+    engines = result.get("engines", 1)
+    per_mode = f", {engines} engines per mode" if engines > 1 else ""
+    lines = [f"rollout benchmark on {result['device']} ({result['model']}{per_mode})", ""]
     lines.append(f"{'mode':10s} {'batch':>5s} {'in':>5s} {'out':>5s} {'tok/s':>10s}")
     for mode, rows in result["decode"].items():
         for r in rows:
@@ -551,6 +604,14 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="run every mode in this process (default on CPU; on a GPU each mode gets its own process)",
     )
+    p.add_argument(
+        "--engines",
+        type=int,
+        default=1,
+        help="engines per mode on the one device, each with its own engine core process (needs --multiprocess) "
+        "and --gpu-memory-utilization of its own; a decode splits the batch between them: whether two schedulers "
+        "side by side beat one (no --profile, --host-profile or --sync-modes)",
+    )
     p.add_argument("--commit", help="the checkout's commit, recorded (the device machine has no git)")
     p.add_argument("--out", default=None, help="JSON path (default scripts/results/rollout-<cpu|gpu>.json)")
     p.add_argument(
@@ -568,6 +629,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--profile-python is for --profile with --executor mp or --multiprocess (vLLM's profiler)")
     if args.profile_tokens < 1:
         p.error(f"--profile-tokens {args.profile_tokens} must be >= 1")
+    if args.engines < 1:
+        p.error(f"--engines {args.engines} must be >= 1")
+    if args.engines > 1 and not args.multiprocess:
+        p.error("--engines > 1 needs --multiprocess: engine cores in this process would share its interpreter lock")
+    if args.engines > 1 and (args.profile or args.host_profile or args.sync_modes):
+        p.error("--engines > 1 times decodes only: no --profile, --host-profile or --sync-modes")
     if args.backend is None:
         args.backend = "emulated" if args.tiny else "auto"
     if args.tiny:
@@ -581,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sync_modes is None:
         args.sync_modes = [] if out_of_process else ["bf16", "jetrl_fp8", "naive_fp8"] if args.tiny else ["jetrl_fp8"]
     earlier = json.loads(Path(args.merge).read_text()) if args.merge else None
-    for key, value in (("multiprocess", args.multiprocess), ("executor", args.executor)):
+    for key, value in (("multiprocess", args.multiprocess), ("executor", args.executor), ("engines", args.engines)):
         theirs = earlier.get(key, ARG_DEFAULTS[key]) if earlier is not None else value
         if theirs != value:
             p.error(f"--merge {args.merge}: its engines ran with {key}={theirs}, this run with {value}; their decode "

@@ -86,6 +86,11 @@ def test_shapes_layers_and_profile_options(bench, monkeypatch, capsys):
         (["--executor", "mp", "--host-profile"], "--executor mp run the model in another process"),
         (["--executor", "mp", "--profile-python"], "--profile-python is for --profile with --executor mp"),
         (["--profile", "--profile-python"], "--profile-python is for --profile with --executor mp"),
+        (["--engines", "0", "--multiprocess"], "--engines 0 must be >= 1"),
+        (["--engines", "2"], "--engines > 1 needs --multiprocess"),
+        (["--engines", "2", "--executor", "mp"], "--engines > 1 needs --multiprocess"),
+        (["--engines", "2", "--multiprocess", "--profile"], "no --profile, --host-profile or --sync-modes"),
+        (["--engines", "2", "--multiprocess", "--sync-modes", "bf16"], "no --profile, --host-profile or --sync-modes"),
     ):
         with pytest.raises(SystemExit):
             bench.main(argv)
@@ -139,7 +144,7 @@ def _engine_kwargs(bench, monkeypatch, tmp_path, **options) -> dict:
     monkeypatch.setattr("jetrl.rollout.adapter.create_engine", fake_create_engine)
     args = bench.argparse.Namespace(tiny=False, gpu_memory_utilization=0.4, enforce_eager=True, capture_sizes=[],
                                     max_model_len=64, backend="auto", multiprocess=False, executor="uni",
-                                    profile=False, profile_python=False)  # fmt: skip
+                                    profile=False, profile_python=False, engines=1)  # fmt: skip
     vars(args).update(options)
     with pytest.raises(Started):
         bench._run_mode(args, "bf16", None, "jetrl", tmp_path, 0, [], {})
@@ -333,3 +338,65 @@ def test_decode_records_the_engine_cores_steps_of_each_timed_run(bench, monkeypa
     row = bench._decode(Engine(), (4, 3, 5), vocab=50, seed=0, repeats=3, mode="bf16")
     core = row["engine_core_ms"]
     assert core["wall"] == 5.0 and core["schedule"] == core["update"] == 6.0  # the median of 9, 4, 6
+
+
+def test_engines_split_the_batch_keep_each_prompts_seed_and_order(bench):
+    """``--engines N``: each engine decodes a contiguous share of the prompts at once (threads), prompt i keeps seed
+    + i, the samples come back in prompt order, and the collector stays paused until every share is done."""
+    import gc
+    import threading
+    from types import SimpleNamespace
+
+    barrier = threading.Barrier(3)  # every engine is inside its generate at the same time, or this times out
+    seen = []
+
+    class Engine:
+        start_seconds, kv_cache_tokens, quantization = 2.0, 100, "jetrl_fp8"
+
+        closed = False
+
+        def generate(self, prompts, *, max_tokens, seed, ignore_eos):
+            barrier.wait(timeout=600)
+            seen.append((seed, len(prompts), gc.isenabled()))
+            return [
+                SimpleNamespace(prompt=p, seed=seed + i, response_ids=[0] * max_tokens) for i, p in enumerate(prompts)
+            ]
+
+        def close(self):
+            self.closed = True
+
+    engines = [Engine() for _ in range(3)]
+    group = bench._Engines(engines)
+    assert (group.start_seconds, group.kv_cache_tokens, group.quantization) == (6.0, 300, "jetrl_fp8")
+    prompts = [[k] for k in range(8)]
+    assert gc.isenabled()
+    out = group.generate(prompts, max_tokens=2, seed=10, ignore_eos=True)
+    assert gc.isenabled()
+    assert [s.prompt for s in out] == prompts and [s.seed for s in out] == list(range(10, 18))
+    assert sorted(seen) == [(10, 2, False), (12, 3, False), (15, 3, False)]  # shares 0:2, 2:5, 5:8
+    group.close()
+    assert all(e.closed for e in engines)
+
+
+def test_engines_start_one_per_count_and_close_the_started_on_a_failure(bench, monkeypatch, tmp_path):
+    """`_run_mode` starts ``--engines`` engines with the same settings; when one fails to start, those already
+    started are closed before the error propagates."""
+    started, closed = [], []
+
+    class Engine:
+        def close(self):
+            closed.append(self)
+
+    def fake_create_engine(*a, **k):
+        if len(started) == 2:
+            raise RuntimeError("out of memory")
+        started.append(Engine())
+        return started[-1]
+
+    monkeypatch.setattr("jetrl.rollout.adapter.create_engine", fake_create_engine)
+    args = bench.argparse.Namespace(tiny=False, gpu_memory_utilization=0.3, enforce_eager=True, capture_sizes=[],
+                                    max_model_len=64, backend="auto", multiprocess=True, executor="uni",
+                                    profile=False, profile_python=False, engines=3)  # fmt: skip
+    with pytest.raises(RuntimeError, match="out of memory"):
+        bench._run_mode(args, "bf16", None, "jetrl", tmp_path, 0, [], {})
+    assert closed == started[::-1] and len(started) == 2
