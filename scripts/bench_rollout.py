@@ -30,7 +30,8 @@ profiler (its trace's GPU time against the generate's wall time here). Every tim
 vLLM's engine core per step, wherever it runs (``engine_core_ms``: wall and the time in ``schedule`` and
 ``update_from_output``; `jetrl.rollout.engine_timing`): whether the scheduler's host work paces the step.
 ``--engines N`` (with ``--multiprocess``) starts N engines of each mode on the one device and splits every decode's
-batch between them: N engine cores, each pacing its own steps in a process of its own, against one.
+batch between them (`jetrl.rollout.group.EngineGroup`): N engine cores, each pacing its own steps in a process of
+its own, against one.
 
 CPU (``--tiny``): the same flow on the tiny Qwen3 (`jetrl.tiny`) with the emulated GEMM backend, plus
 the log-prob mismatch per recipe; stock FP8 is reported as unavailable (vLLM's CPU block-FP8 path needs
@@ -161,40 +162,6 @@ def _decode(engine, shape: tuple[int, int, int], vocab: int, seed: int, repeats:
     }
 
 
-class _Engines:
-    """``--engines N``: N engines of one mode on one device, driven as one. A generate splits the prompts into N
-    contiguous shares and each engine decodes its share in a thread of this process; with ``--multiprocess`` each
-    engine core paces its own steps in a process of its own, so their host work (the scheduler's Python, a few ms a
-    step at batch 256) runs side by side. Prompt i keeps the seed it has on one engine (seed + i). The
-    collector is paused around the whole generate (`collector_paused` per thread would re-enable it as the first
-    share ends)."""
-
-    def __init__(self, engines: list) -> None:
-        self.engines = engines
-        self.start_seconds = sum(e.start_seconds for e in engines)  # started one after another
-        kv = [e.kv_cache_tokens for e in engines]
-        self.kv_cache_tokens = None if None in kv else sum(kv)
-        self.quantization = engines[0].quantization
-
-    def generate(self, prompts: list[list[int]], *, max_tokens: int, seed: int, **kw) -> list:
-        from concurrent.futures import ThreadPoolExecutor
-
-        from jetrl.rollout.adapter import collector_paused
-
-        n = len(self.engines)
-        bounds = [len(prompts) * k // n for k in range(n + 1)]
-        with collector_paused(), ThreadPoolExecutor(n) as pool:
-            futures = [
-                pool.submit(e.generate, prompts[lo:hi], max_tokens=max_tokens, seed=seed + lo, **kw)
-                for e, lo, hi in zip(self.engines, bounds, bounds[1:], strict=False)
-            ]
-            return [s for f in futures for s in f.result()]
-
-    def close(self) -> None:
-        for e in reversed(self.engines):
-            e.close()
-
-
 def _model_config(args) -> dict:
     """`LLAMA_8B` with ``--layers`` decoder layers."""
     return {**LLAMA_8B, "num_hidden_layers": args.layers}
@@ -250,6 +217,7 @@ def _trainer(args, recipe):
 
 def _run_mode(args, mode, recipe, rollout, path, vocab, shapes, result) -> None:
     from jetrl.rollout.adapter import create_engine
+    from jetrl.rollout.group import EngineGroup
 
     kw = {"load_format": "dummy"} if not args.tiny else {}
     if args.tiny:
@@ -290,7 +258,7 @@ def _run_mode(args, mode, recipe, rollout, path, vocab, shapes, result) -> None:
                 for e in reversed(engines):
                     e.close()
                 raise
-            engine = _Engines(engines)
+            engine = EngineGroup(engines)
         try:
             _measure(args, mode, recipe, engine, vocab, shapes, result, trace_dir)
         finally:

@@ -340,44 +340,6 @@ def test_decode_records_the_engine_cores_steps_of_each_timed_run(bench, monkeypa
     assert core["wall"] == 5.0 and core["schedule"] == core["update"] == 6.0  # the median of 9, 4, 6
 
 
-def test_engines_split_the_batch_keep_each_prompts_seed_and_order(bench):
-    """``--engines N``: each engine decodes a contiguous share of the prompts at once (threads), prompt i keeps seed
-    + i, the samples come back in prompt order, and the collector stays paused until every share is done."""
-    import gc
-    import threading
-    from types import SimpleNamespace
-
-    barrier = threading.Barrier(3)  # every engine is inside its generate at the same time, or this times out
-    seen = []
-
-    class Engine:
-        start_seconds, kv_cache_tokens, quantization = 2.0, 100, "jetrl_fp8"
-
-        closed = False
-
-        def generate(self, prompts, *, max_tokens, seed, ignore_eos):
-            barrier.wait(timeout=600)
-            seen.append((seed, len(prompts), gc.isenabled()))
-            return [
-                SimpleNamespace(prompt=p, seed=seed + i, response_ids=[0] * max_tokens) for i, p in enumerate(prompts)
-            ]
-
-        def close(self):
-            self.closed = True
-
-    engines = [Engine() for _ in range(3)]
-    group = bench._Engines(engines)
-    assert (group.start_seconds, group.kv_cache_tokens, group.quantization) == (6.0, 300, "jetrl_fp8")
-    prompts = [[k] for k in range(8)]
-    assert gc.isenabled()
-    out = group.generate(prompts, max_tokens=2, seed=10, ignore_eos=True)
-    assert gc.isenabled()
-    assert [s.prompt for s in out] == prompts and [s.seed for s in out] == list(range(10, 18))
-    assert sorted(seen) == [(10, 2, False), (12, 3, False), (15, 3, False)]  # shares 0:2, 2:5, 5:8
-    group.close()
-    assert all(e.closed for e in engines)
-
-
 def test_engines_start_one_per_count_and_close_the_started_on_a_failure(bench, monkeypatch, tmp_path):
     """`_run_mode` starts ``--engines`` engines with the same settings; when one fails to start, those already
     started are closed before the error propagates."""
