@@ -152,6 +152,7 @@ def _config(args, recipe: str, model_path: str, out_dir: str) -> dict:
             if args.engine_ops == "fused" and not Recipe.from_name(recipe).train_fp8
             else args.engine_ops,
             "executor": args.rollout_executor,
+            "engines": args.rollout_engines,
         },
         "algo": {
             "name": "grpo",
@@ -381,9 +382,17 @@ CONFIG_KEYS = (
     "seed",
     "attn",
     "rollout_executor",
+    "rollout_engines",
 )
 """The options a comparison holds fixed (recorded; `merge` refuses results that differ in them)."""
-ADDED_KEYS = {"engine_ops": "vllm", "numerics": "hf", "attn": "sdpa", "min_tokens": None, "rollout_executor": "uni"}
+ADDED_KEYS = {
+    "engine_ops": "vllm",
+    "numerics": "hf",
+    "attn": "sdpa",
+    "min_tokens": None,
+    "rollout_executor": "uni",
+    "rollout_engines": 1,
+}
 """`CONFIG_KEYS` added after results were committed, with the value those older results ran with."""
 
 
@@ -441,6 +450,14 @@ def parse_args(argv: list[str] | None):
         default="uni",
         help="where the engine runs (rollout.executor): 'uni' in the trainer's process (default), 'mp' in vLLM's "
         "engine-core and worker processes, as verl runs it (the syncs travel as CUDA IPC handles)",
+    )
+    p.add_argument(
+        "--rollout-engines",
+        type=int,
+        default=1,
+        help="vLLM engines on the device (rollout.engines; needs --rollout-executor mp): each step's prompts split "
+        "between them, each engine core scheduling its share in a process of its own; --gpu-memory-utilization is "
+        "each engine's",
     )
     p.add_argument("--cuda-graphs", action="store_true", help="let vLLM capture CUDA graphs (enforce_eager=False)")
     p.add_argument(
@@ -506,6 +523,12 @@ def parse_args(argv: list[str] | None):
             p.error(f"--{flag.replace('_', '-')} profiles CUDA kernels: not with --tiny")
     if args.profile_tokens < 1:
         p.error(f"--profile-tokens {args.profile_tokens} must be >= 1")
+    if args.rollout_engines < 1:
+        p.error(f"--rollout-engines {args.rollout_engines} must be >= 1")
+    if args.rollout_engines > 1 and args.rollout_executor != "mp":
+        p.error("--rollout-engines > 1 needs --rollout-executor mp (each engine core in a process of its own)")
+    if args.rollout_engines > 1 and args.profile_rollout:
+        p.error("--profile-rollout profiles one engine's worker: not with --rollout-engines > 1")
     if args.rollout_executor == "mp" and "strict" in numerics:
         p.error("--rollout-executor mp: numerics strict sets vLLM up in the trainer's process (use uni)")
     args.prompts = args.prompts or (16 if args.tiny else 32)
@@ -651,8 +674,9 @@ def merge(paths: list[Path]) -> dict:
 
 
 def result_path(out: dict, folder: Path) -> Path:
-    """``folder/e2e-[<shape>-l<layers>-][mp-][strict-][probe-]<gpu|cpu>.json`` (no shape part for the 0.6B and tiny
-    models; the mp part where the engine ran in vLLM's worker process, ``--rollout-executor mp``; the strict part
+    """``folder/e2e-[<shape>-l<layers>-][mp-][x<N>-][strict-][probe-]<gpu|cpu>.json`` (no shape part for the 0.6B and
+    tiny models; the mp part where the engine ran in vLLM's worker process, ``--rollout-executor mp``; x<N> where N
+    engines shared the rollout, ``--rollout-engines``; the strict part
     where a run has the strict numerics; the probe part where a run holds a ``--profile-rollout`` probe, a
     diagnosis kept apart from the plain comparison; a CPU's `benchmeta.device_name` starts with "CPU")."""
     device = out["device"]
@@ -661,6 +685,8 @@ def result_path(out: dict, folder: Path) -> Path:
     name = "" if shape is None or shape["name"] == "qwen3-0.6b" else f"{shape['name']}-l{shape['layers']}-"
     if out["config"].get("rollout_executor", ADDED_KEYS["rollout_executor"]) == "mp":
         name += "mp-"
+    if (engines := out["config"].get("rollout_engines", ADDED_KEYS["rollout_engines"])) > 1:
+        name += f"x{engines}-"
     if "strict" in (out["config"].get("numerics") or "hf").split(","):
         name += "strict-"
     if any("rollout_probe" in run for run in out["runs"].values()):

@@ -186,6 +186,12 @@ class RolloutConfig:
     when the config is loaded): 'mp' for run.device 'cuda' with ``model.numerics: hf`` -- the 8B-class RL
     rollout on the H200 took 18.3 / 15.7 s (unified / BF16) there against 27.6 / 28.7 s in the trainer's
     process (README) -- else 'uni' (CPU; 'vllm-cpu' and 'strict' numerics set vLLM up in this process)."""
+    engines: int = 1
+    """vLLM engines of the policy on the one device (`jetrl.rollout.group.EngineGroup`); above 1 each step's prompts
+    are split between them and decoded at once, each engine core scheduling its share in a process of its own:
+    at batch 256 one engine core's Python paces the decode step while the GPU idles (``bench_rollout.py
+    --engines``). Needs ``rollout.executor: mp``; every engine reserves ``gpu_memory_utilization`` of the device
+    and receives every weight sync (byte-verified in each); the lint captures the first."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for `jetrl.rollout.adapter.create_engine`; none may set vLLM's executor or
     parallelism (`ENGINE_PLACEMENT_KEYS`: ``rollout.executor`` chooses the executor; one engine, one device)."""
@@ -518,6 +524,14 @@ def _check_values(cfg: TrainConfig) -> None:
         raise _fail(
             "rollout.executor",
             f"'mp' runs the engine in other processes; model.numerics={cfg.model.numerics!r} {why} (use 'uni')",
+        )
+    if cfg.rollout.engines < 1:
+        raise _fail("rollout.engines", f"{cfg.rollout.engines}: at least one engine")
+    if cfg.rollout.engines > 1 and cfg.rollout.executor != "mp":
+        raise _fail(
+            "rollout.engines",
+            f"{cfg.rollout.engines} engines need rollout.executor 'mp' (each engine core in a process of its own); "
+            f"this config runs {cfg.rollout.executor!r}",
         )
     _check_engine_placement(cfg.rollout.engine_kwargs)
     if cfg.model.path is not None and cfg.model.tiny:

@@ -33,6 +33,7 @@ checked: a run that cannot start leaves no run directory behind (and an existing
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -254,7 +255,8 @@ class Trainer:
 
         r = cfg.rollout
         in_process = r.executor == "uni"  # 'mp': vLLM's engine core and a worker process of their own
-        self.engine = create_engine(
+        start = functools.partial(
+            create_engine,
             self.init_path,
             self.recipe,
             seed=cfg.run.seed,
@@ -268,8 +270,23 @@ class Trainer:
             **({} if in_process else {"distributed_executor_backend": "mp"}),
             **{**({} if self.verbose else {"use_tqdm_on_load": False}), **r.engine_kwargs},
         )
+        if r.engines == 1:
+            self.engine = start()
+        else:
+            from jetrl.rollout.group import EngineGroup
+
+            engines = []
+            try:
+                for _ in range(r.engines):
+                    engines.append(start())
+            except BaseException:
+                for e in reversed(engines):
+                    e.close()
+                raise
+            self.engine = EngineGroup(engines)
         where = "in this process" if in_process else "in its own processes (executor mp)"
-        self.log(f"engine: {self.engine.quantization or 'bf16'} started {where} in {self.engine.start_seconds:.1f}s")
+        what = f"{r.engines} engines" if r.engines > 1 else "engine"
+        self.log(f"{what}: {self.engine.quantization or 'bf16'} started {where} in {self.engine.start_seconds:.1f}s")
         self._check_numerics_path()
         if cfg.lint.enabled:
             self._lint()
@@ -337,7 +354,7 @@ class Trainer:
             self.recipe,
             rollout="jetrl-vllm",
             numeric=self.cfg.lint.numeric,
-            engine=self.engine,
+            engine=getattr(self.engine, "engines", [self.engine])[0],  # a group's engines run alike: its first
             probe=probe,
             backend=self.cfg.run.gemm_backend,
             training=training,

@@ -29,7 +29,7 @@ def _part(bench, recipe: str, step_s: list[float], **config) -> dict:
     """A one-recipe result as a run writes it (times per step; the first is the warm-up)."""
     times = dict.fromkeys(bench.TIMES, 1.0)
     steps = [{**times, "time/step_s": t, "sync/bytes": 2**20, "response/length_mean": 16.0} for t in step_s]
-    cfg = {k: None for k in bench.CONFIG_KEYS} | {"prompts": 32, "steps": len(step_s) - 1} | config
+    cfg = {k: None for k in bench.CONFIG_KEYS} | {"prompts": 32, "steps": len(step_s) - 1, "rollout_engines": 1} | config
     return {
         "bench": "e2e",
         "device": "NVIDIA H200",
@@ -85,6 +85,9 @@ def test_result_names(bench, tmp_path):
     assert bench.result_path(part, tmp_path).name == "e2e-llama3.1-8b-l8-nvidia-h200.json"
     part["config"]["rollout_executor"] = "mp"  # the engine in vLLM's worker: its own file beside the uni one
     assert bench.result_path(part, tmp_path).name == "e2e-llama3.1-8b-l8-mp-nvidia-h200.json"
+    part["config"]["rollout_engines"] = 2  # two engines shared the rollout: a file of its own
+    assert bench.result_path(part, tmp_path).name == "e2e-llama3.1-8b-l8-mp-x2-nvidia-h200.json"
+    del part["config"]["rollout_engines"]  # results from before the option ran one engine
     part["runs"]["bf16"]["rollout_probe"] = {}  # a diagnosis (--profile-rollout) does not replace the comparison
     assert bench.result_path(part, tmp_path).name == "e2e-llama3.1-8b-l8-mp-probe-nvidia-h200.json"
     del part["runs"]["bf16"]["rollout_probe"]
@@ -170,6 +173,27 @@ def test_rollout_executor_is_the_configs_and_held_fixed(bench, capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--rollout-executor", "mp", "--numerics", "strict", "--engine-ops", "hf"])
     assert "--rollout-executor mp" in capsys.readouterr().err
+
+
+def test_rollout_engines_are_the_configs_and_held_fixed(bench, capsys):
+    """--rollout-engines sets rollout.engines for both recipes (held fixed; older results ran one engine) and
+    needs the engines in their own processes."""
+    from jetrl.train.config import config_from_dict
+
+    args = bench.parse_args(["--rollout-executor", "mp", "--rollout-engines", "2"])
+    for recipe in ("bf16", "jetrl-unified"):
+        cfg = bench._config(args, recipe, "/m", "/r")
+        cfg["model"]["path"] = None
+        assert config_from_dict(cfg).rollout.engines == 2
+    assert "rollout_engines" in bench.CONFIG_KEYS and bench.ADDED_KEYS["rollout_engines"] == 1
+    for argv, msg in (
+        (["--rollout-engines", "0"], "--rollout-engines 0 must be >= 1"),
+        (["--rollout-engines", "2"], "--rollout-engines > 1 needs --rollout-executor mp"),
+        (["--rollout-engines", "2", "--rollout-executor", "mp", "--profile-rollout"], "not with --rollout-engines"),
+    ):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+        assert msg in capsys.readouterr().err
 
 
 def test_merge_reads_older_results_without_the_later_options(bench, tmp_path):

@@ -131,6 +131,18 @@ def test_one_engine_on_one_device_its_executor_from_rollout_executor():
         config_from_dict(strict)
 
 
+def test_several_engines_need_the_engines_in_their_own_processes():
+    assert config_from_dict({}).rollout.engines == 1
+    two = config_from_dict({"rollout": {"engines": 2, "executor": "mp"}})
+    assert (two.rollout.engines, two.rollout.executor) == (2, "mp")
+    assert config_from_dict({"run": {"device": "cuda"}, "rollout": {"engines": 3}}).rollout.engines == 3  # auto: mp
+    with pytest.raises(ConfigError, match=r"^rollout\.engines: 2 engines need rollout\.executor 'mp' .* runs 'uni'"):
+        config_from_dict({"rollout": {"engines": 2}})  # 'auto' on a CPU: 'uni'
+    for bad, msg in ((0, "0: at least one engine"), (-1, "-1: at least one engine"), (True, "expected an integer")):
+        with pytest.raises(ConfigError, match=rf"^rollout\.engines: {msg}"):
+            config_from_dict({"rollout": {"engines": bad, "executor": "mp"}})
+
+
 def test_strict_numerics_pairs_with_the_trainers_ops_in_the_engine():
     cfg = config_from_dict(
         {"model": {"numerics": "strict"}, "run": {"device": "cuda"}, "rollout": {"engine_ops": "hf"}}

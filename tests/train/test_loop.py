@@ -339,33 +339,37 @@ def test_trainer_loads_its_policy_with_causal_sdpa_by_default(out_dir):
 def test_rollout_executor_mp(out_dir):
     """rollout.executor=mp: the engine runs in vLLM's engine-core and worker processes; the lint records the
     rollout graph in that worker, the syncs reach it and are byte-verified there, and after the initial sync the
-    engine samples what the in-process engine of the same config samples."""
+    engine samples what the in-process engine of the same config samples -- as do two such engines
+    (rollout.engines=2), each decoding its share of the prompts."""
     from jetrl.demo import DEFAULT_CONFIG
+    from jetrl.rollout.group import EngineGroup
     from jetrl.train.config import apply_overrides, config_from_dict
     from jetrl.train.trainer import Trainer
 
-    prompts = [[3, 17, 5, 9], [22, 4]]
+    prompts = [[3, 17, 5, 9], [22, 4], [7, 7, 30]]
     samples = {}
-    for executor in ("uni", "mp"):
+    for name, executor, engines in (("uni", "uni", 1), ("mp", "mp", 1), ("mp2", "mp", 2)):
         raw = apply_overrides(
             DEFAULT_CONFIG,
-            [*SHORT, f"run.name=exec-{executor}", f"run.out_dir={out_dir}", "run.steps=1", "run.eval_prompts=0"]
-            + ["model.numerics=hf", "rollout.engine_ops=hf", f"rollout.executor={executor}"],
+            [*SHORT, f"run.name=exec-{name}", f"run.out_dir={out_dir}", "run.steps=1", "run.eval_prompts=0"]
+            + ["model.numerics=hf", "rollout.engine_ops=hf", f"rollout.executor={executor}"]
+            + [f"rollout.engines={engines}"],
         )
         tr = Trainer(config_from_dict(raw), overwrite=True, log=lambda *a: None)
         try:
             tr.setup()
             assert tr.engine.in_process == (executor == "uni")
+            assert isinstance(tr.engine, EngineGroup) == (engines > 1)
             got = tr.engine.generate(prompts, n=2, max_tokens=6, seed=11)
-            samples[executor] = [(s.response_ids, s.response_logprobs) for s in got]
+            samples[name] = [(s.response_ids, s.response_logprobs) for s in got]
             if executor == "mp":
                 row = tr.step(1)
                 assert row["sync/digests_equal"] is True and row["sync/bytes"] > 0
                 assert math.isfinite(row["mismatch/logp_abs_diff_mean"])
         finally:
             tr.close()
-        assert json.loads((out_dir / f"exec-{executor}" / "lint.json").read_text())["ok"] is True
-    assert samples["mp"] == samples["uni"]
+        assert json.loads((out_dir / f"exec-{name}" / "lint.json").read_text())["ok"] is True
+    assert samples["mp"] == samples["uni"] and samples["mp2"] == samples["uni"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (rollout.executor auto picks 'mp' there)")
