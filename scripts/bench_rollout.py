@@ -217,7 +217,7 @@ def _trainer(args, recipe):
 
 def _run_mode(args, mode, recipe, rollout, path, vocab, shapes, result) -> None:
     from jetrl.rollout.adapter import create_engine
-    from jetrl.rollout.group import EngineGroup
+    from jetrl.rollout.group import start_engines
 
     kw = {"load_format": "dummy"} if not args.tiny else {}
     if args.tiny:
@@ -247,18 +247,7 @@ def _run_mode(args, mode, recipe, rollout, path, vocab, shapes, result) -> None:
         **kw,
     )
     try:
-        if args.engines == 1:
-            engine = start()
-        else:
-            engines = []
-            try:
-                for _ in range(args.engines):
-                    engines.append(start())
-            except BaseException:
-                for e in reversed(engines):
-                    e.close()
-                raise
-            engine = EngineGroup(engines)
+        engine = start_engines(start, args.engines)
         try:
             _measure(args, mode, recipe, engine, vocab, shapes, result, trace_dir)
         finally:

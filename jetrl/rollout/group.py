@@ -19,7 +19,7 @@ from typing import Any
 
 from jetrl.rollout.adapter import Engine, Sample, collector_paused
 
-__all__ = ["EngineGroup"]
+__all__ = ["EngineGroup", "start_engines"]
 
 
 class EngineGroup:
@@ -139,3 +139,20 @@ class EngineGroup:
     def close(self) -> None:
         for e in reversed(self.engines):
             e.close()
+
+
+def start_engines(start: Callable[[], Engine], count: int) -> Engine | EngineGroup:
+    """``start()`` (e.g. a `functools.partial` of `create_engine`) `count` times, one engine after another: the
+    engine itself for one, an `EngineGroup` of them for more. When one fails to start, those already started are
+    closed before the error propagates."""
+    if count < 1:
+        raise ValueError(f"start_engines: count {count}; at least one engine")
+    engines: list[Engine] = []
+    try:
+        for _ in range(count):
+            engines.append(start())
+    except BaseException:
+        for e in reversed(engines):
+            e.close()
+        raise
+    return engines[0] if count == 1 else EngineGroup(engines)

@@ -252,6 +252,7 @@ class Trainer:
             self.log(f"resumed from step {self.start_step} ({found.path})")
         self.state.setdefault("wall_s_before", 0.0)
         from jetrl.rollout.adapter import create_engine
+        from jetrl.rollout.group import start_engines
 
         r = cfg.rollout
         in_process = r.executor == "uni"  # 'mp': vLLM's engine core and a worker process of their own
@@ -270,20 +271,7 @@ class Trainer:
             **({} if in_process else {"distributed_executor_backend": "mp"}),
             **{**({} if self.verbose else {"use_tqdm_on_load": False}), **r.engine_kwargs},
         )
-        if r.engines == 1:
-            self.engine = start()
-        else:
-            from jetrl.rollout.group import EngineGroup
-
-            engines = []
-            try:
-                for _ in range(r.engines):
-                    engines.append(start())
-            except BaseException:
-                for e in reversed(engines):
-                    e.close()
-                raise
-            self.engine = EngineGroup(engines)
+        self.engine = start_engines(start, r.engines)
         where = "in this process" if in_process else "in its own processes (executor mp)"
         what = f"{r.engines} engines" if r.engines > 1 else "engine"
         self.log(f"{what}: {self.engine.quantization or 'bf16'} started {where} in {self.engine.start_seconds:.1f}s")

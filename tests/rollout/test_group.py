@@ -10,7 +10,7 @@ import pytest
 
 from jetrl.quant import NonFiniteError
 from jetrl.recipe import Recipe
-from jetrl.rollout.group import EngineGroup
+from jetrl.rollout.group import EngineGroup, start_engines
 
 
 class FakeEngine:
@@ -82,6 +82,28 @@ def test_every_worker_of_every_engine_and_errors_name_the_engine():
         group.check_nonfinite()
     group.close()
     assert all(e.closed for e in engines)
+
+
+def test_start_engines_gives_the_engine_or_a_group_and_closes_the_started_on_a_failure():
+    made = []
+
+    def start():
+        if len(made) == 2:
+            raise RuntimeError("CUDA out of memory")
+        made.append(FakeEngine(len(made)))
+        return made[-1]
+
+    one = start_engines(start, 1)
+    assert one is made[0] and not isinstance(one, EngineGroup)
+    made.clear()
+    group = start_engines(start, 2)
+    assert isinstance(group, EngineGroup) and group.engines == made
+    made.clear()
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+        start_engines(start, 3)
+    assert len(made) == 2 and all(e.closed for e in made)
+    with pytest.raises(ValueError, match="count 0; at least one engine"):
+        start_engines(start, 0)
 
 
 def test_a_group_is_two_or_more_out_of_process_engines_alike():

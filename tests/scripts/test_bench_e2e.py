@@ -29,7 +29,8 @@ def _part(bench, recipe: str, step_s: list[float], **config) -> dict:
     """A one-recipe result as a run writes it (times per step; the first is the warm-up)."""
     times = dict.fromkeys(bench.TIMES, 1.0)
     steps = [{**times, "time/step_s": t, "sync/bytes": 2**20, "response/length_mean": 16.0} for t in step_s]
-    cfg = {k: None for k in bench.CONFIG_KEYS} | {"prompts": 32, "steps": len(step_s) - 1, "rollout_engines": 1} | config
+    held = {"prompts": 32, "steps": len(step_s) - 1, "rollout_engines": 1}
+    cfg = {k: None for k in bench.CONFIG_KEYS} | held | config
     return {
         "bench": "e2e",
         "device": "NVIDIA H200",
