@@ -1,14 +1,14 @@
 """Several vLLM engines of one policy on one device, driven as one `Engine`.
 
-At batch 256 a decode step of an 8B-class model on one Hopper GPU is paced by vLLM's engine core -- the
-scheduler's Python, milliseconds a step for 256 requests (`jetrl.rollout.engine_timing`) -- while the GPU is busy
-for less than half of it (`scripts/results/rollout-llama3.1-8b-l8-mp-nvidia-h200.json`). With each engine core in
-a process of its own (``in_process=False``), N engines on the device split every batch N ways and schedule side
+At batch 256 the GPU is busy for less than half of a decode step of an 8B-class model on one Hopper GPU
+(`scripts/results/rollout-llama3.1-8b-l8-mp-nvidia-h200.json`); the worker waits on vLLM's engine core, whose
+scheduler spends Python time per request per step (`jetrl.rollout.engine_timing` records it). With each engine core
+in a process of its own (``in_process=False``), N engines on the device split every batch N ways and schedule side
 by side: N schedulers of 256/N requests each instead of one of 256. `EngineGroup` has the surface the trainer,
-`jetrl.rollout.sync` and `jetrl.lint` use of an `Engine`: a generate splits the prompts into N contiguous shares
-decoded at once (one thread each, waiting on its engine core's process), prompt i keeping the seed ``seed + i``
-it has on one engine; `apply` runs on every worker of every engine (so a weight sync installs and verifies the
-same bytes in each); the rest goes to each engine, or reads the first where all are configured alike.
+`jetrl.rollout.sync` and `jetrl.lint` use of an `Engine` (not sleep mode): a generate splits the prompts into N
+contiguous shares decoded at once (one thread each, waiting on its engine core's process), prompt i keeping the
+seed ``seed + i`` it has on one engine; `apply` runs on every worker of every engine (so a weight sync installs and
+verifies the same bytes in each); the rest goes to each engine, or reads the first where all are configured alike.
 """
 
 from __future__ import annotations
@@ -123,18 +123,6 @@ class EngineGroup:
     def reset_prefix_cache(self) -> None:
         for e in self.engines:
             e.reset_prefix_cache()
-
-    @property
-    def supports_sleep(self) -> bool:
-        return all(e.supports_sleep for e in self.engines)
-
-    def sleep(self, level: int = 1) -> None:
-        for e in self.engines:
-            e.sleep(level)
-
-    def wake(self) -> None:
-        for e in self.engines:
-            e.wake()
 
     def close(self) -> None:
         for e in reversed(self.engines):
