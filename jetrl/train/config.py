@@ -188,10 +188,11 @@ class RolloutConfig:
     process (README) -- else 'uni' (CPU; 'vllm-cpu' and 'strict' numerics set vLLM up in this process)."""
     engines: int = 1
     """vLLM engines of the policy on the one device (`jetrl.rollout.group.EngineGroup`); above 1 each step's prompts
-    are split between them and decoded at once, each engine core scheduling its share in a process of its own:
-    at batch 256 one engine core's Python paces the decode step while the GPU idles (``bench_rollout.py
-    --engines``). Needs ``rollout.executor: mp``; every engine reserves ``gpu_memory_utilization`` of the device
-    and receives every weight sync (byte-verified in each); the lint captures the first."""
+    are split between them and decoded at once, each engine core scheduling its share in a process of its own
+    (at batch 256 the GPU was busy for under half of a decode step, the worker waiting on the one engine core;
+    whether N engines are faster: ``bench_rollout.py --engines``, not measured yet). Needs ``rollout.executor:
+    mp``; every engine reserves ``gpu_memory_utilization`` of the device and receives every weight sync
+    (byte-verified in each); the lint captures the first."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for `jetrl.rollout.adapter.create_engine`; none may set vLLM's executor or
     parallelism (`ENGINE_PLACEMENT_KEYS`: ``rollout.executor`` chooses the executor; one engine, one device)."""
