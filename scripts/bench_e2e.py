@@ -80,14 +80,17 @@ NUMERICS = ("hf", "strict")
 TIMES = ("time/rollout_s", "time/old_logp_s", "time/update_s", "time/train_s", "time/sync_s")
 """The trainer's per-step phases kept (train = old log-probs + update)."""
 ROLLOUT_HOST = ("rollout/cpu_s", "rollout/thread_cpu_s", "rollout/gc_s", "rollout/gc_full")
-"""The trainer process's host time in each step's rollout phase (`meter_rollouts`)."""
+"""The trainer process's host time in each step's rollout phase (`meter_rollouts`); with --rollout-engines > 1 the
+engines' front-ends run in the group's threads: ``cpu_s`` counts them, ``thread_cpu_s`` (the calling thread) does
+not."""
 ROLLOUT_CORE = (
     "rollout/core_steps",
     "rollout/core_wall_ms",
     "rollout/core_schedule_ms",
     "rollout/core_update_ms",
 )
-"""vLLM's engine core in each step's rollout phase, per step it scheduled (`engine_core_timing`)."""
+"""vLLM's engine core in each step's rollout phase, per step it scheduled (`engine_core_timing`; with
+--rollout-engines > 1 the steps of all engine cores, their figures per engine step)."""
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 """Decode batch sizes vLLM captures CUDA graphs for with --cuda-graphs (a step decodes <= 256 sequences)."""
 
