@@ -340,25 +340,23 @@ def test_decode_records_the_engine_cores_steps_of_each_timed_run(bench, monkeypa
     assert core["wall"] == 5.0 and core["schedule"] == core["update"] == 6.0  # the median of 9, 4, 6
 
 
-def test_engines_start_one_per_count_and_close_the_started_on_a_failure(bench, monkeypatch, tmp_path):
-    """`_run_mode` starts ``--engines`` engines with the same settings; when one fails to start, those already
-    started are closed before the error propagates."""
-    started, closed = [], []
+def test_engines_reach_start_engines_with_one_engines_settings(bench, monkeypatch, tmp_path):
+    """`_run_mode` hands `start_engines` (its closing of the started on a failure: `tests/rollout/test_group.py`)
+    the ``--engines`` count and one engine's settings, each engine reserving ``--gpu-memory-utilization``."""
+    got = {}
 
-    class Engine:
-        def close(self):
-            closed.append(self)
+    class Started(Exception):
+        pass
 
-    def fake_create_engine(*a, **k):
-        if len(started) == 2:
-            raise RuntimeError("out of memory")
-        started.append(Engine())
-        return started[-1]
+    def fake_start_engines(start, count):
+        got.update(count=count, kw=start.keywords)
+        raise Started
 
-    monkeypatch.setattr("jetrl.rollout.adapter.create_engine", fake_create_engine)
+    monkeypatch.setattr("jetrl.rollout.group.start_engines", fake_start_engines)
     args = bench.argparse.Namespace(tiny=False, gpu_memory_utilization=0.3, enforce_eager=True, capture_sizes=[],
                                     max_model_len=64, backend="auto", multiprocess=True, executor="uni",
                                     profile=False, profile_python=False, engines=3)  # fmt: skip
-    with pytest.raises(RuntimeError, match="out of memory"):
+    with pytest.raises(Started):
         bench._run_mode(args, "bf16", None, "jetrl", tmp_path, 0, [], {})
-    assert closed == started[::-1] and len(started) == 2
+    assert got["count"] == 3
+    assert got["kw"]["in_process"] is False and got["kw"]["gpu_memory_utilization"] == 0.3
