@@ -36,7 +36,7 @@ The step is split into rollout / old log-probs (the no-grad pass over the batch,
 sync (the trainer's ``time/*`` of each step), with the trainer process's host time in the rollout
 (``rollout/*``, `meter_rollouts`: CPU seconds, the garbage collector's pauses) and vLLM's engine core's, measured
 in whichever process runs it (``rollout/core_*`` per engine step: wall, the scheduler's ``schedule`` and
-``update_from_output``; `jetrl.rollout.engine_timing`, its lines in
+``update_from_output``, the hand-off between them to the model and back; `jetrl.rollout.engine_timing`, its lines in
 ``<out>/e2e-logs/engine-core-<run>/``). ``--numerics hf,strict`` times
 each recipe with the default and with the strict numerics (``model.numerics=strict``, runs keyed
 ``<recipe>-strict``, written to ``e2e-[...-]strict-<device>.json``) and reports the strict / hf ratio of each
@@ -88,6 +88,7 @@ ROLLOUT_CORE = (
     "rollout/core_wall_ms",
     "rollout/core_schedule_ms",
     "rollout/core_update_ms",
+    "rollout/core_handoff_ms",
 )
 """vLLM's engine core in each step's rollout phase, per step it scheduled (`engine_core_timing`; with
 --rollout-engines > 1 the steps of all engine cores, their figures per engine step)."""
@@ -223,7 +224,7 @@ def engine_core_timing(start: float, end: float) -> dict:
     per = got["per_step_ms"]
     return {
         "rollout/core_steps": got["steps"],
-        **{f"rollout/core_{k}_ms": per[k] for k in ("wall", "schedule", "update")},
+        **{f"rollout/core_{k}_ms": per[k] for k in ("wall", "schedule", "update", "handoff")},
     }
 
 
@@ -617,7 +618,8 @@ def print_table(out: dict) -> None:
             rc = {k.removeprefix("rollout/core_"): _median(run["steps"], k) for k in ROLLOUT_CORE}
             print(
                 f"{r} rollout engine core (median, per step of {rc['steps']:.0f}): {rc['wall_ms']:.2f} ms wall, "
-                f"schedule {rc['schedule_ms']:.2f} + update_from_output {rc['update_ms']:.2f} ms"
+                f"schedule {rc['schedule_ms']:.2f} + update_from_output {rc['update_ms']:.2f} ms, hand-off "
+                f"{rc['handoff_ms']:.2f} ms"
             )
         if (pad := out["median"].get(r, {}).get("batch/pad_frac")) is not None:
             length = out["median"][r]["response/length_mean"]
@@ -638,7 +640,8 @@ def print_table(out: dict) -> None:
                 f"{p['wall_ms_per_step']:.2f} ms/step wall, {p['gpu_busy_ms_per_step']:.2f} GPU-busy{host}"
                 + (
                     f"; engine core {c['rollout/core_wall_ms']:.2f} ms/step wall, schedule + update "
-                    f"{c['rollout/core_schedule_ms'] + c['rollout/core_update_ms']:.2f}"
+                    f"{c['rollout/core_schedule_ms'] + c['rollout/core_update_ms']:.2f}, hand-off "
+                    f"{c['rollout/core_handoff_ms']:.2f}"
                     if (c := pr.get("engine_core"))
                     else ""
                 )

@@ -27,8 +27,9 @@ servers do (both: verl's layout); neither allows ``--host-profile`` (the model i
 sync then travels to the model's process in `jetrl.rollout.transfer` parcels (CUDA IPC handles on a GPU; only
 for the ``--sync-modes`` named: none by default), and ``--profile`` records the model's process with vLLM's own
 profiler (its trace's GPU time against the generate's wall time here). Every timed decode run also records
-vLLM's engine core per step, wherever it runs (``engine_core_ms``: wall and the time in ``schedule`` and
-``update_from_output``; `jetrl.rollout.engine_timing`): whether the scheduler's host work paces the step.
+vLLM's engine core per step, wherever it runs (``engine_core_ms``: wall, the time in ``schedule`` and
+``update_from_output``, and the hand-off between them, where the engine core passes the step to the model and waits
+for an output; `jetrl.rollout.engine_timing`): whether the scheduler's host work paces the step.
 ``--engines N`` (with ``--multiprocess``) starts N engines of each mode on the one device and splits every decode's
 batch between them (`jetrl.rollout.group.EngineGroup`): N engine cores, each pacing its own steps in a process of
 its own, against one.
@@ -145,7 +146,7 @@ def _decode(engine, shape: tuple[int, int, int], vocab: int, seed: int, repeats:
             f"in {dt:.2f} s"
             + (
                 f"; engine core {cores[-1]['wall']:.2f} ms/step, schedule + update "
-                f"{cores[-1]['schedule'] + cores[-1]['update']:.2f}"
+                f"{cores[-1]['schedule'] + cores[-1]['update']:.2f}, hand-off {cores[-1]['handoff']:.2f}"
                 if cores
                 else ""
             ),

@@ -9,7 +9,11 @@ vLLM's ``Scheduler.schedule`` and ``Scheduler.update_from_output`` in that proce
 that starts the engine), each turn of the engine core's loop -- from one ``schedule`` call to the next --
 appends one JSON line to ``DIR/engine-core-<pid>.jsonl``: its start (``time.time()``, comparable across
 processes), wall, the time inside ``schedule`` and ``update_from_output`` (host work by construction: the
-scheduler's Python), and the tokens and requests scheduled. CPU times are not recorded: with vLLM's
+scheduler's Python), the hand-off between them (``handoff_ms``: from ``schedule``'s return to the turn's
+``update_from_output`` call, where vLLM's engine core hands the scheduled step to its executor and waits for a model
+output -- with async scheduling the previous step's; with the model in a worker process, the scheduler output's
+trip there and the wait), and the tokens and requests scheduled. What the wall holds besides these three is the rest
+of the loop (sending the outputs to the front-end, taking in requests). CPU times are not recorded: with vLLM's
 multiprocess executor the loop's thread busy-polls the worker's shared-memory queue while it waits, so its CPU
 time is about the wall whatever paces the step (116 / 114 of 128 / 126 ms a step, medians, on a 2-core CPU
 where the model paced it: ``rollout-engine-core-mp-cpu.json``, recorded before they were dropped). A process
@@ -29,7 +33,7 @@ from pathlib import Path
 __all__ = ["ENV", "install", "recorded", "summarize"]
 
 ENV = "JETRL_ENGINE_CORE_TIMING"
-FIELDS = ("wall_ms", "schedule_ms", "update_ms")
+FIELDS = ("wall_ms", "schedule_ms", "update_ms", "handoff_ms")
 
 
 class _Recorder:
@@ -58,11 +62,12 @@ class _Recorder:
                 "wall_ms": (now["p"] - prev["p"]) * 1e3,
                 "schedule_ms": prev["schedule_ms"],
                 "update_ms": prev["update_ms"],
+                "handoff_ms": prev["handoff_ms"],
                 "tokens": prev["tokens"],
                 "requests": prev["requests"],
             }
             self.file.write(json.dumps(row) + "\n")
-        self.turn = {**now, "schedule_ms": 0.0, "update_ms": 0.0, "tokens": 0, "requests": 0}
+        self.turn = {**now, "schedule_ms": 0.0, "update_ms": 0.0, "handoff_ms": 0.0, "tokens": 0, "requests": 0}
         return self.turn
 
 
@@ -82,7 +87,8 @@ def install(scheduler_cls: type) -> None:
             return schedule(self, *args, **kwargs)
         t0 = time.perf_counter()
         out = schedule(self, *args, **kwargs)
-        turn["schedule_ms"] += (time.perf_counter() - t0) * 1e3
+        turn["scheduled_at"] = time.perf_counter()
+        turn["schedule_ms"] += (turn["scheduled_at"] - t0) * 1e3
         turn["tokens"] += int(out.total_num_scheduled_tokens)
         turn["requests"] += len(out.num_scheduled_tokens)
         return out
@@ -92,6 +98,8 @@ def install(scheduler_cls: type) -> None:
         if (turn := rec.turn) is None:
             return update(self, *args, **kwargs)
         t0 = time.perf_counter()
+        if (scheduled_at := turn.pop("scheduled_at", None)) is not None:
+            turn["handoff_ms"] += (t0 - scheduled_at) * 1e3
         try:
             return update(self, *args, **kwargs)
         finally:

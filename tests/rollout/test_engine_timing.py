@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import time
+import types
 
 import pytest
 
@@ -38,8 +39,9 @@ def _rows(folder):
 
 
 def test_each_turn_of_the_loop_is_one_line_with_its_schedule_and_update(tmp_path, monkeypatch):
-    """A turn runs from one ``schedule`` call to the next: its line carries that schedule's tokens and requests and
-    the ``update_from_output`` calls inside it; the turn still running has no line yet."""
+    """A turn runs from one ``schedule`` call to the next: its line carries that schedule's tokens and requests,
+    the ``update_from_output`` calls inside it and the hand-off from the schedule's return to the first of them;
+    the turn still running has no line yet."""
     sched_cls = _fake_scheduler()
     engine_timing.install(sched_cls)
     wrapped = sched_cls.schedule
@@ -65,8 +67,9 @@ def test_each_turn_of_the_loop_is_one_line_with_its_schedule_and_update(tmp_path
     rows = _rows(tmp_path / "timing")
     assert [(r["tokens"], r["requests"]) for r in rows] == [(5, 2), (3, 3), (0, 1)]
     assert rows[0]["update_ms"] > 0 and rows[1]["update_ms"] == 0.0 and rows[2]["update_ms"] > 0
+    assert rows[1]["handoff_ms"] == 0.0  # no update_from_output: no hand-off
     for r in rows:
-        assert r["wall_ms"] >= r["schedule_ms"] + r["update_ms"]
+        assert r["wall_ms"] >= r["schedule_ms"] + r["update_ms"] + r["handoff_ms"]
         assert min(r[f] for f in engine_timing.FIELDS) >= 0
     assert [r["t"] for r in rows] == sorted(r["t"] for r in rows)
 
@@ -85,6 +88,46 @@ def test_each_turn_of_the_loop_is_one_line_with_its_schedule_and_update(tmp_path
     monkeypatch.delenv(engine_timing.ENV)
     s.schedule()  # unset: nothing more is written anywhere
     assert len(_rows(tmp_path / "other")) == 1 and len(_rows(tmp_path / "timing")) == 3
+
+
+def test_the_hand_off_runs_from_the_schedules_return_to_the_turns_first_update(tmp_path, monkeypatch):
+    """On a clock the test moves: schedule takes 2 ms, each update 3 ms; the hand-off is the time between the
+    schedule's return and the turn's first update (5 ms, 7 ms), and what else the turn holds (after an update, before
+    the next schedule) is in its wall only."""
+    clock = [1000.0]
+
+    def tick(ms: float) -> None:
+        clock[0] += ms / 1e3
+
+    class Scheduler:
+        def schedule(self):
+            tick(2)
+            return _Out([1])
+
+        def update_from_output(self):
+            tick(3)
+
+    monkeypatch.setattr(
+        engine_timing, "time", types.SimpleNamespace(perf_counter=lambda: clock[0], time=lambda: clock[0])
+    )
+    engine_timing.install(Scheduler)
+    monkeypatch.setenv(engine_timing.ENV, str(tmp_path))
+    s = Scheduler()
+    s.schedule()
+    tick(5)  # the step's trip to the model and the wait for an output
+    s.update_from_output()
+    tick(11)  # the rest of the loop
+    s.schedule()
+    tick(7)
+    s.update_from_output()
+    tick(13)  # between two updates of one turn: not hand-off
+    s.update_from_output()
+    s.schedule()
+    rows = [{f: round(r[f], 6) for f in engine_timing.FIELDS} for r in _rows(tmp_path)]
+    assert rows == [
+        {"wall_ms": 21.0, "schedule_ms": 2.0, "update_ms": 3.0, "handoff_ms": 5.0},
+        {"wall_ms": 28.0, "schedule_ms": 2.0, "update_ms": 6.0, "handoff_ms": 7.0},
+    ]
 
 
 def test_summarize_keeps_the_turns_inside_the_window_and_names_the_variable_when_none(tmp_path, monkeypatch):
@@ -138,6 +181,8 @@ def test_an_engine_core_in_its_own_process_records_its_turns(tmp_path, monkeypat
     got = engine_timing.summarize(folder, start, end)
     assert os.getpid() not in got["pids"] and len(got["pids"]) == 1
     assert 20 <= got["steps"] <= got["turns"]  # one step per decode token (the last turn ends after the window)
+    per = got["per_step_ms"]  # the model's time in its worker process is hand-off time to the engine core
+    assert per["handoff"] > 0 and per["wall"] >= per["schedule"] + per["update"] + per["handoff"]
     assert got["tokens"] >= 4 * 20
     per = got["per_step_ms"]
     assert per["wall"] >= per["schedule"] + per["update"] > 0
