@@ -181,8 +181,7 @@ def test_an_engine_core_in_its_own_process_records_its_turns(tmp_path, monkeypat
     got = engine_timing.summarize(folder, start, end)
     assert os.getpid() not in got["pids"] and len(got["pids"]) == 1
     assert 20 <= got["steps"] <= got["turns"]  # one step per decode token (the last turn ends after the window)
-    per = got["per_step_ms"]  # the model's time in its worker process is hand-off time to the engine core
-    assert per["handoff"] > 0 and per["wall"] >= per["schedule"] + per["update"] + per["handoff"]
     assert got["tokens"] >= 4 * 20
     per = got["per_step_ms"]
-    assert per["wall"] >= per["schedule"] + per["update"] > 0
+    assert per["wall"] >= per["schedule"] + per["update"] + per["handoff"]
+    assert per["schedule"] + per["update"] > 0 and per["handoff"] > 0  # the model's time in its worker is hand-off
